@@ -1,0 +1,31 @@
+"""semanticache-rag: read a long document once, answer many questions from its compressed KV cache."""
+
+from semanticache_rag.compressors import COMPRESSORS, Compressor, NoCompression, make_compressor
+from semanticache_rag.conversation import Answer, Conversation
+from semanticache_rag.documents import Document, Page, load_document
+from semanticache_rag.engine import DocumentCache, Engine
+from semanticache_rag.errors import ConfigError, ContextLengthError, DocumentError, ModelLoadError, SemantiCacheError
+from semanticache_rag.generation import GenerationOptions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COMPRESSORS",
+    "Answer",
+    "Compressor",
+    "ConfigError",
+    "ContextLengthError",
+    "Conversation",
+    "Document",
+    "DocumentCache",
+    "DocumentError",
+    "Engine",
+    "GenerationOptions",
+    "ModelLoadError",
+    "NoCompression",
+    "Page",
+    "SemantiCacheError",
+    "__version__",
+    "load_document",
+    "make_compressor",
+]

@@ -1,0 +1,55 @@
+"""The attention function that serves questions from a (compressed) document cache.
+
+It is registered with transformers' public ``AttentionInterface`` under :data:`ATTENTION_NAME`,
+explicitly (:func:`register_attention`), never on import. It only takes over when the forward
+call carries a :class:`~semanticache_rag.kv.ConversationKV` in the ``semanticache_kv`` keyword;
+any other call (``model.generate`` by a user, say) is served by transformers' own SDPA function,
+so a model loaded by this package still behaves as a stock model elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from semanticache_rag.kernels.proportional_attention_ref import proportional_attention
+
+ATTENTION_NAME = "semanticache_rag"
+_lock = threading.Lock()
+
+
+def semanticache_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention function: proportional attention over document + appended tokens.
+
+    ``key``/``value`` are what ``ConversationKV.update`` returned: the appended tokens only.
+    """
+    state = kwargs.get("semanticache_kv")
+    if state is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    document = state.layers[module.layer_idx].document
+    if document is None:
+        out = proportional_attention(query, key, value, scaling=scaling)
+    else:
+        out = proportional_attention(
+            query, key, value, document.keys, document.values, document.log_sizes, scaling=scaling
+        )
+    return out, None
+
+
+def register_attention() -> str:
+    """Register :func:`semanticache_attention` with transformers (idempotent); return its name."""
+    with _lock:
+        if ATTENTION_NAME not in AttentionInterface._global_mapping:
+            AttentionInterface.register(ATTENTION_NAME, semanticache_attention)
+            # Masks for the fallback path are SDPA's; our path builds its own causal mask.
+            AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
+
+
+def use_semanticache_attention(model: torch.nn.Module) -> None:
+    """Route ``model``'s attention through :func:`semanticache_attention`."""
+    model.set_attn_implementation(register_attention())

@@ -1,0 +1,130 @@
+"""Questions and multi-turn chats over a document cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from semanticache_rag.errors import ContextLengthError
+from semanticache_rag.generation import GenerationOptions, Sampler, TextStream
+from semanticache_rag.kv import ConversationKV
+from semanticache_rag.prompts import Turn
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer and how it was computed.
+
+    ``prompt_tokens`` counts every token the answer was conditioned on (document included);
+    ``cached_tokens`` of them were reused from caches, so only ``prompt_tokens - cached_tokens``
+    were computed for this question. ``prefill_s`` is the time to the first answer token,
+    ``decode_s`` the time for the rest, ``tokens_per_s`` the decode rate after the first token.
+    """
+
+    question: str
+    answer: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    document_tokens: int
+    cache_bytes: int
+    finish_reason: str
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready dict (the ``--json`` line format)."""
+        return asdict(self)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """A chat over one document; earlier turns stay in context.
+
+    The document cache is shared, never modified; this object keeps only the tokens appended
+    after it. Not safe to use from two threads at once (use one conversation per thread; the
+    engine itself is thread-safe).
+    """
+
+    def __init__(self, engine, cache, **options):
+        self.engine, self.cache = engine, cache
+        self.options = GenerationOptions(**options)
+        self.turns: list[Turn] = []
+        self.kv = ConversationKV(cache.layers)
+        self._tail_ids: list[int] = []  # tokens in self.kv, after the document
+        self.last_answer: Answer | None = None
+
+    def ask(self, question: str, **options) -> Answer:
+        """Answer ``question`` in this conversation and return the :class:`Answer`."""
+        for _ in self.stream(question, **options):
+            pass
+        return self.last_answer
+
+    def stream(self, question: str, **options) -> Iterator[str]:
+        """Yield the answer as text pieces; :attr:`last_answer` is set when it ends."""
+        opts = GenerationOptions(**{**asdict(self.options), **options})
+        engine, start = self.engine, time.perf_counter()
+        tail = engine.tokenizer(engine.prompt.tail(self.turns + [Turn(question)]), add_special_tokens=False)["input_ids"]
+        budget = engine.context_length - self.cache.length - len(tail)
+        if budget < 1:
+            raise ContextLengthError(
+                f"the conversation needs {self.cache.length + len(tail):,} tokens of context; "
+                f"{engine.model_name} has {engine.context_length:,}. Start a new conversation or ask a shorter question."
+            )
+        # Reuse every appended token the new prompt shares with the cache; feed at least one.
+        reused = min(_common_prefix(self._tail_ids, tail), len(tail) - 1)
+        self.kv.crop(reused)
+        stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings)
+        sampler, eos = Sampler(opts, engine.device), self._eos_ids()
+        logits = engine.forward(self.kv, tail[reused:], self.cache.length + reused)[-1]
+        self._tail_ids = list(tail)
+        first = time.perf_counter()
+        finish, generated = "length", 0
+        for _ in range(min(opts.max_new_tokens, budget)):
+            token = sampler(logits)
+            generated += 1
+            if token in eos:
+                finish = "stop"
+                break
+            piece = stream.push(token)
+            if piece:
+                yield piece
+            if stream.stopped:
+                finish = "stop"
+                break
+            logits = engine.forward(self.kv, [token], self.cache.length + len(self._tail_ids))[-1]
+            self._tail_ids.append(token)
+        rest = stream.flush()
+        if rest:
+            yield rest
+        end = time.perf_counter()
+        self.turns.append(Turn(question, stream.text.strip()))
+        decode_s = end - first
+        self.last_answer = Answer(
+            question=question, answer=stream.text.strip(), prompt_tokens=self.cache.length + len(tail),
+            cached_tokens=self.cache.length + reused, completion_tokens=generated,
+            prefill_s=first - start, decode_s=decode_s,
+            tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+            document_tokens=self.cache.length, cache_bytes=self.cache.nbytes, finish_reason=finish,
+        )
+
+    def _eos_ids(self) -> set[int]:
+        tok, config = self.engine.tokenizer, self.engine.model.generation_config
+        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        eos = getattr(config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        for special in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+            token_id = tok.convert_tokens_to_ids(special)
+            if isinstance(token_id, int) and token_id != tok.unk_token_id:
+                ids.add(token_id)
+        return ids

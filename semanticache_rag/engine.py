@@ -1,0 +1,211 @@
+"""The engine: owns one model, reads documents once, answers questions from their caches."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from semanticache_rag.compressors import CompressionContext, Compressor, NoCompression
+from semanticache_rag.documents import Document, load_document
+from semanticache_rag.errors import ConfigError, ContextLengthError
+from semanticache_rag.kv import ConversationKV, LayerKV
+from semanticache_rag.prompts import DEFAULT_SYSTEM_PROMPT, PromptFormat
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentCache:
+    """A document read once: its (compressed) KV cache and what maps tokens back to pages.
+
+    Immutable: questions and conversations append to caches of their own.
+
+    Attributes
+    ----------
+    document : Document
+        The text and pages that were read.
+    layers : tuple of LayerKV
+        Per decoder layer, the cache after compression.
+    prefix_ids : Tensor (N,)
+        Template head + document tokens; ``N`` is also where appended positions start.
+    token_pages : Tensor (N,) int32
+        0-based index into ``document.pages`` per token, -1 for template tokens.
+    model_name, compressor : str
+        What produced the cache.
+    prefill_s, compress_s : float
+        Seconds spent reading and compressing.
+    """
+
+    document: Document
+    layers: tuple[LayerKV, ...]
+    prefix_ids: torch.Tensor
+    token_pages: torch.Tensor
+    model_name: str
+    compressor: str
+    prefill_s: float
+    compress_s: float
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        """Original tokens (template head + document) the cache stands for."""
+        return int(self.prefix_ids.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all cache tensors, padding and size bookkeeping included."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes the uncompressed cache of the same tokens takes."""
+        return sum(2 * layer.keys[:, :, :1].nbytes * self.length for layer in self.layers)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Fraction of KV entries removed, over all layers and heads."""
+        full = sum(layer.keys.shape[1] * self.length for layer in self.layers)
+        return 1 - sum(layer.num_entries for layer in self.layers) / full
+
+
+class Engine:
+    """Reads documents once and answers questions from their cached, compressed KV.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A transformers causal LM loaded with :func:`~semanticache_rag.models.load_model` (or any
+        model whose attention implementation is ``"semanticache_rag"``) and its tokenizer.
+    compressor : Compressor, optional
+        How document caches are compressed; :class:`NoCompression` by default.
+    model_name : str, optional
+        Name reported in results.
+    system_prompt : str or None
+        System message for chat templates.
+    prefill_chunk : int
+        Tokens per forward pass while reading a document (bounds peak memory).
+    answer_reserve : int
+        Tokens of context kept free for a question and its answer when reading.
+    """
+
+    def __init__(self, model, tokenizer, *, compressor: Compressor | None = None, model_name: str | None = None,
+                 system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, prefill_chunk: int = 512,
+                 answer_reserve: int = 256):
+        if prefill_chunk < 1 or answer_reserve < 0:
+            raise ConfigError(f"prefill_chunk must be >= 1 and answer_reserve >= 0, got {prefill_chunk}, {answer_reserve}")
+        self.model, self.tokenizer = model, tokenizer
+        self.compressor = compressor or NoCompression()
+        self.model_name = model_name or getattr(model.config, "_name_or_path", "model")
+        self.prompt = PromptFormat(tokenizer, system_prompt)
+        self.prefill_chunk, self.answer_reserve = prefill_chunk, answer_reserve
+        self._lock = threading.Lock()
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, compressor: Compressor | None = None,
+                        device: str | None = None, dtype=None, **kwargs) -> Engine:
+        """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it."""
+        from semanticache_rag.models import load_model
+
+        hf_model, tokenizer, name = load_model(model, device=device, dtype=dtype)
+        return cls(hf_model, tokenizer, compressor=compressor, model_name=name, **kwargs)
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (document + question + answer) the model can attend to."""
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def forward(self, kv: ConversationKV, ids: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:
+        """Run ``ids`` at positions ``start...`` appending to ``kv``; return their last logits (K, V)."""
+        input_ids = torch.tensor([ids], device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        with self._lock, torch.inference_mode():
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
+                             logits_to_keep=logits_to_keep, semanticache_kv=kv, **{self._cache_kwarg: kv})
+        return out.logits[0]
+
+    def tokenize_prefix(self, document: Document) -> tuple[list[int], torch.Tensor]:
+        """Tokens of template head + document, and each token's page index (-1: template)."""
+        head = self.tokenizer(self.prompt.head, add_special_tokens=False)["input_ids"]
+        body = self.tokenizer(document.text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = torch.tensor([p.start for p in document.pages])
+        offsets = torch.tensor([o[0] for o in body["offset_mapping"]], dtype=torch.long)
+        pages = (torch.searchsorted(starts, offsets, right=True) - 1).clamp(min=0).to(torch.int32)
+        return head + body["input_ids"], torch.cat([torch.full((len(head),), -1, dtype=torch.int32), pages])
+
+    def read(self, source, *, progress: bool = True) -> DocumentCache:
+        """Read a document (path, text or :class:`Document`) once and return its cache.
+
+        Raises
+        ------
+        DocumentError
+            The document cannot be read.
+        ContextLengthError
+            The document and room for an answer exceed the model's context (checked before
+            any model work).
+        """
+        document = load_document(source)
+        ids, pages = self.tokenize_prefix(document)
+        limit = self.context_length - self.answer_reserve
+        if len(ids) > limit:
+            raise ContextLengthError(
+                f"{document.name} is {len(ids):,} tokens; {self.model_name} reads at most {limit:,} "
+                f"({self.context_length:,} context minus {self.answer_reserve} for question and answer). "
+                "Use a model with a longer context (--model) or split the document."
+            )
+        started = time.perf_counter()
+        keys_values, surprisal = self._prefill(ids, document.name, progress)
+        prefilled = time.perf_counter()
+        layers = self._compress(keys_values, ids, pages, surprisal)
+        done = time.perf_counter()
+        return DocumentCache(document, layers, torch.tensor(ids), pages, self.model_name,
+                             repr(self.compressor), prefilled - started, done - prefilled)
+
+    def _prefill(self, ids: list[int], name: str, progress: bool):
+        kv = ConversationKV(num_layers=self.model.config.num_hidden_layers, capacity=len(ids))
+        need = self.compressor.needs_surprisal
+        surprisal = torch.zeros(len(ids))
+        steps = range(0, len(ids), self.prefill_chunk)
+        for start in tqdm(steps, desc=f"Reading {name}", unit="chunk", disable=not progress, leave=False):
+            chunk = ids[start : start + self.prefill_chunk]
+            logits = self.forward(kv, chunk, start, logits_to_keep=len(chunk) if need else 1)
+            if need:
+                logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+                targets = torch.tensor(ids[start + 1 : start + len(chunk)])
+                surprisal[start + 1 : start + len(chunk)] = -logp.gather(1, targets[:, None])[:, 0]
+                if start + len(chunk) < len(ids):  # the chunk's last logits predict the next chunk's first token
+                    surprisal[start + len(chunk)] = -torch.log_softmax(logits[-1].float(), -1)[ids[start + len(chunk)]]
+        return [layer.appended() for layer in kv.layers], surprisal if need else None
+
+    def _compress(self, keys_values, ids, pages, surprisal) -> tuple[LayerKV, ...]:
+        token_ids = torch.tensor(ids)
+        layers = []
+        for idx, (keys, values) in enumerate(keys_values):
+            context = CompressionContext(idx, token_ids, pages < 0, surprisal, self.tokenizer)
+            layers.append(self.compressor.compress(keys, values, context))
+        return tuple(layers)
+
+    def conversation(self, cache: DocumentCache, **options):
+        """A multi-turn chat over ``cache`` (a cheap fork: the document cache is shared)."""
+        from semanticache_rag.conversation import Conversation
+
+        return Conversation(self, cache, **options)
+
+    def ask(self, cache: DocumentCache, question: str, **options):
+        """Answer one question from ``cache``; returns an :class:`~semanticache_rag.Answer`."""
+        return self.conversation(cache).ask(question, **options)
+
+    def stream(self, cache: DocumentCache, question: str, **options):
+        """Yield the answer to ``question`` as text pieces."""
+        return self.conversation(cache).stream(question, **options)

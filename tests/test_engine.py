@@ -1,0 +1,128 @@
+"""Engine invariants on tiny random Llama and Qwen2 models (fast, no network)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from semanticache_rag import ConfigError, ContextLengthError
+from semanticache_rag.prompts import Turn
+
+
+def generate_reference(engine, cache, turns, max_new_tokens):
+    """What a stock pipeline computes: the whole prompt through ``model.generate``, no cache reuse."""
+    tail = engine.tokenizer(engine.prompt.tail(turns), add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([cache.prefix_ids.tolist() + tail])
+    with torch.inference_mode():
+        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)
+    return engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_answer_equals_full_prompt_generate(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    answer = tiny_engine.ask(cache, "What may the licensee do?", max_new_tokens=12)
+    assert answer.answer == generate_reference(tiny_engine, cache, [Turn("What may the licensee do?")], 12)
+    assert answer.completion_tokens >= 1
+
+
+def test_question_reuses_document_and_leaves_it_unchanged(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    first = tiny_engine.ask(cache, "Who holds the copyright?", max_new_tokens=10)
+    second = tiny_engine.ask(cache, "Who holds the copyright?", max_new_tokens=10)
+    assert first.answer == second.answer
+    assert first.cached_tokens == cache.length == first.document_tokens
+    tail = tiny_engine.tokenizer(tiny_engine.prompt.tail([Turn("Who holds the copyright?")]),
+                                 add_special_tokens=False)["input_ids"]
+    assert first.prompt_tokens - first.cached_tokens == len(tail)
+    for (k, v), layer in zip(before, cache.layers):
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+
+
+def test_conversation_keeps_turns_and_reuses_them(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    conv = tiny_engine.conversation(cache, max_new_tokens=8)
+    first = conv.ask("What is this document?")
+    second = conv.ask("And who wrote it?")
+    assert second.cached_tokens > cache.length  # the first turn's tokens were not recomputed
+    turns = [Turn("What is this document?", first.answer), Turn("And who wrote it?")]
+    assert second.answer == generate_reference(tiny_engine, cache, turns, 8)
+    assert [t.question for t in conv.turns] == ["What is this document?", "And who wrote it?"]
+
+
+def test_stream_pieces_join_to_the_answer(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    conv = tiny_engine.conversation(cache)
+    pieces = list(conv.stream("Summarise the document.", max_new_tokens=10))
+    assert "".join(pieces).strip() == conv.last_answer.answer
+
+
+def test_max_new_tokens_and_stop_strings(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    free = tiny_engine.ask(cache, "Explain.", max_new_tokens=6)
+    assert free.completion_tokens <= 6
+    if len(free.answer) > 2:
+        stop = free.answer[1:3]
+        stopped = tiny_engine.ask(cache, "Explain.", max_new_tokens=6, stop=[stop])
+        assert stop not in stopped.answer and stopped.finish_reason == "stop"
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    a = tiny_engine.ask(cache, "Explain.", max_new_tokens=8, temperature=1.5, top_p=0.9, seed=3)
+    b = tiny_engine.ask(cache, "Explain.", max_new_tokens=8, temperature=1.5, top_p=0.9, seed=3)
+    assert a.answer == b.answer
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}])
+def test_bad_generation_options(tiny_engine, document_text, bad):
+    cache = tiny_engine.read(document_text[:200], progress=False)
+    with pytest.raises(ConfigError):
+        tiny_engine.ask(cache, "?", **bad)
+
+
+def test_document_longer_than_context_fails_before_model_work(tiny_engine, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tiny_engine, "forward", lambda *a, **k: calls.append(a))
+    with pytest.raises(ContextLengthError, match=r"tokens; tiny reads at most 1,792"):
+        tiny_engine.read("word " * 5000, progress=False)
+    assert not calls
+
+
+def test_two_threads_get_the_sequential_answers(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    questions = ["What is free software?", "Who may distribute copies?"]
+    expected = [tiny_engine.ask(cache, q, max_new_tokens=10).answer for q in questions]
+    got = [None, None]
+
+    def run(i):
+        got[i] = tiny_engine.ask(cache, questions[i], max_new_tokens=10).answer
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected
+
+
+def test_token_pages_map_tokens_to_pages(tiny_engine):
+    from semanticache_rag.documents import Document, Page
+
+    text = "first page text here\n\nsecond page text"
+    doc = Document(text, (Page(1, "i", 0, 20), Page(2, "ii", 22, len(text))), "two.pdf", None, "x", "pypdf")
+    ids, pages = tiny_engine.tokenize_prefix(doc)
+    head = len(tiny_engine.tokenizer(tiny_engine.prompt.head, add_special_tokens=False)["input_ids"])
+    assert (pages[:head] == -1).all()
+    assert pages[head] == 0 and pages[-1] == 1
+    assert pages[head:].diff().ge(0).all()
+
+
+def test_cache_bytes_are_measured(tiny_engine, document_text):
+    cache = tiny_engine.read(document_text, progress=False)
+    layer = cache.layers[0]
+    assert cache.nbytes == cache.full_nbytes == len(cache.layers) * 2 * layer.keys.numel() * 4
+    assert cache.compression_ratio == 0
