@@ -1,0 +1,66 @@
+"""The command line, driven in-process on the tiny model directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from semanticache_rag.cli import main
+
+JSON_KEYS = {"question", "answer", "prompt_tokens", "cached_tokens", "prefill_s", "decode_s", "tokens_per_s",
+             "document_tokens", "cache_bytes"}
+
+
+@pytest.fixture()
+def text_file(tmp_path, document_text):
+    path = tmp_path / "doc.txt"
+    path.write_text(document_text)
+    return path
+
+
+def test_ask_json_lines(tiny_model_dir, text_file, capsys):
+    code = main(["ask", str(text_file), "-q", "Who may copy it?", "-q", "Why?", "--model", str(tiny_model_dir),
+                 "--json", "--max-new-tokens", "5"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["question"] for line in lines] == ["Who may copy it?", "Why?"]
+    for line in lines:
+        assert JSON_KEYS <= line.keys()
+        assert line["cached_tokens"] == line["document_tokens"] > 0
+        assert line["cache_bytes"] > 0
+
+
+def test_ask_human_output(tiny_model_dir, text_file, capsys):
+    assert main(["ask", str(text_file), "-q", "Who?", "--model", str(tiny_model_dir), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Q: Who?" in out and "reused from the document cache" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["ask", "missing.pdf", "-q", "?"], "no such file"),
+    (["ask", "{doc}", "-q", "?", "--model", "/nonexistent/model"], "Cannot load model"),
+    (["ask", "{doc}", "-q", "?", "--compression", "zip"], "unknown compression"),
+])
+def test_errors_are_one_line_without_traceback(argv, message, text_file, tiny_model_dir, capsys):
+    argv = [a.replace("{doc}", str(text_file)) for a in argv]
+    if "--model" not in argv:
+        argv += ["--model", str(tiny_model_dir)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_chat_reads_until_end_of_input(tiny_model_dir, text_file, capsys, monkeypatch):
+    lines = iter(["What is it?", "", "And then?"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert main(["chat", str(text_file), "--model", str(tiny_model_dir), "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("tokens reused") == 2
