@@ -1,6 +1,13 @@
 """semanticache-rag: read a long document once, answer many questions from its compressed KV cache."""
 
-from semanticache_rag.compressors import COMPRESSORS, Compressor, NoCompression, make_compressor
+from semanticache_rag.compressors import (
+    COMPRESSORS,
+    Compressor,
+    NoCompression,
+    SemantiCacheCompressor,
+    StreamingLLMCompressor,
+    make_compressor,
+)
 from semanticache_rag.conversation import Answer, Conversation
 from semanticache_rag.documents import Document, Page, load_document
 from semanticache_rag.engine import DocumentCache, Engine
@@ -24,7 +31,9 @@ __all__ = [
     "ModelLoadError",
     "NoCompression",
     "Page",
+    "SemantiCacheCompressor",
     "SemantiCacheError",
+    "StreamingLLMCompressor",
     "__version__",
     "load_document",
     "make_compressor",

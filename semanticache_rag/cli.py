@@ -13,11 +13,11 @@ from semanticache_rag.errors import SemantiCacheError
 
 logger = logging.getLogger("semanticache_rag")
 
-DEMO_PDF = "demo.pdf"
+DEMO_PDF = "cyrguide.pdf"  # "Cyrillic languages support in LaTeX", LPPL 1.3c; see data/SOURCES.md
 DEMO_QUESTIONS = (
-    "Which RFC specifies the koi8-r encoding?",
-    "Who produced the LH fonts?",
     "What is the default font encoding for Russian?",
+    "Which RFC specifies koi8-r?",
+    "What is the latest version of the LH fonts?",
 )
 
 
@@ -104,7 +104,8 @@ def cmd_chat(args) -> None:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="transformers model id or directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--compression", default="none", help="compressor name (default: none)")
-    p.add_argument("--ratio", type=float, default=0.0, help="fraction of KV entries to remove")
+    p.add_argument("--ratio", type=float, default=None,
+                   help="fraction of KV entries to remove (default: the compressor's own)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

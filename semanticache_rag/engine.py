@@ -189,12 +189,8 @@ class Engine:
         return [layer.appended() for layer in kv.layers], surprisal if need else None
 
     def _compress(self, keys_values, ids, pages, surprisal) -> tuple[LayerKV, ...]:
-        token_ids = torch.tensor(ids)
-        layers = []
-        for idx, (keys, values) in enumerate(keys_values):
-            context = CompressionContext(idx, token_ids, pages < 0, surprisal, self.tokenizer)
-            layers.append(self.compressor.compress(keys, values, context))
-        return tuple(layers)
+        context = CompressionContext(torch.tensor(ids), pages < 0, surprisal, self.tokenizer)
+        return self.compressor.compress_document(keys_values, context)
 
     def conversation(self, cache: DocumentCache, **options):
         """A multi-turn chat over ``cache`` (a cheap fork: the document cache is shared)."""

@@ -1,19 +1,33 @@
 """KV-cache compressors: one file and one dataclass each, registered here."""
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor, NoCompression
+from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
+from semanticache_rag.compressors.streaming_llm import StreamingLLMCompressor
+from semanticache_rag.errors import ConfigError
 
-COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (NoCompression,)}
+COMPRESSORS: dict[str, type[Compressor]] = {
+    cls.name: cls for cls in (NoCompression, SemantiCacheCompressor, StreamingLLMCompressor)
+}
 
 
-def make_compressor(name: str, compression_ratio: float = 0.0, **options) -> Compressor:
-    """Build a registered compressor by name (as the CLI's ``--compression`` does)."""
-    from semanticache_rag.errors import ConfigError
+def make_compressor(name: str, compression_ratio: float | None = None, **options) -> Compressor:
+    """Build a registered compressor by name (as the CLI's ``--compression`` does).
 
+    ``compression_ratio=None`` keeps the compressor's default ratio.
+    """
     if name not in COMPRESSORS:
         raise ConfigError(f"unknown compression {name!r}; choose one of {sorted(COMPRESSORS)}")
-    if name == "none":
-        return NoCompression()
-    return COMPRESSORS[name](compression_ratio=compression_ratio, **options)
+    if compression_ratio is not None:
+        options["compression_ratio"] = compression_ratio
+    return COMPRESSORS[name](**options)
 
 
-__all__ = ["COMPRESSORS", "CompressionContext", "Compressor", "NoCompression", "make_compressor"]
+__all__ = [
+    "COMPRESSORS",
+    "CompressionContext",
+    "Compressor",
+    "NoCompression",
+    "SemantiCacheCompressor",
+    "StreamingLLMCompressor",
+    "make_compressor",
+]

@@ -1,8 +1,10 @@
-"""The compressor contract: one layer's document keys/values in, a :class:`LayerKV` out.
+"""The compressor contract: a document's per-layer keys/values in, one :class:`LayerKV` per layer out.
 
-A compressor is a dataclass that *is* its configuration (the kvpress pattern). The engine calls
-:meth:`Compressor.compress` once per layer after the document's prefill; the question is never
-seen (question-agnostic), so one compressed cache serves every later question.
+A compressor is a dataclass that *is* its configuration (the kvpress pattern). After a
+document's prefill the engine calls :meth:`Compressor.compress_document` once; it runs
+:meth:`Compressor.prepare` on what all layers share (chunks, protected tokens) and then
+:meth:`Compressor.compress` per layer. The question is never seen (question-agnostic), so one
+compressed cache serves every later question.
 """
 
 from __future__ import annotations
@@ -18,12 +20,10 @@ from semanticache_rag.kv import LayerKV
 
 @dataclass(frozen=True, eq=False)
 class CompressionContext:
-    """What a compressor may know about the document besides one layer's keys and values.
+    """What a compressor may know about the document besides the keys and values.
 
     Attributes
     ----------
-    layer_idx : int
-        Decoder layer being compressed.
     token_ids : Tensor (N,)
         Token ids of the prefilled prefix (template head + document).
     protected : Tensor (N,) bool
@@ -34,7 +34,6 @@ class CompressionContext:
         The model's tokenizer, to classify vocabulary ids.
     """
 
-    layer_idx: int
     token_ids: torch.Tensor
     protected: torch.Tensor
     surprisal: torch.Tensor | None
@@ -59,9 +58,22 @@ class Compressor:
         if not 0 <= self.compression_ratio < 1:
             raise ConfigError(f"compression_ratio must be in [0, 1), got {self.compression_ratio!r}")
 
-    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> LayerKV:
+    def target_entries(self, num_tokens: int) -> int:
+        """Entries to keep per KV head for a prefix of ``num_tokens`` tokens."""
+        return max(1, round((1 - self.compression_ratio) * num_tokens))
+
+    def prepare(self, context: CompressionContext):
+        """Work shared by all layers of one document; its result is passed to :meth:`compress`."""
+        return None
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext, plan) -> LayerKV:
         """Compress one layer: ``keys``/``values`` (1, H_kv, N, D) -> :class:`LayerKV`."""
         raise NotImplementedError
+
+    def compress_document(self, keys_values, context: CompressionContext) -> tuple[LayerKV, ...]:
+        """Compress every layer of a document: ``keys_values`` is a list of (keys, values)."""
+        plan = self.prepare(context)
+        return tuple(self.compress(keys, values, context, plan) for keys, values in keys_values)
 
 
 @dataclass(frozen=True)
@@ -75,5 +87,5 @@ class NoCompression(Compressor):
         if self.compression_ratio != 0:
             raise ConfigError(f"NoCompression keeps every entry; compression_ratio must be 0, got {self.compression_ratio!r}")
 
-    def compress(self, keys, values, context):
+    def compress(self, keys, values, context, plan):
         return LayerKV(keys, values)

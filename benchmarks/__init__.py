@@ -1,0 +1,1 @@
+"""Benchmarks of semanticache-rag (run as ``python -m benchmarks.<name>``)."""

@@ -1,0 +1,83 @@
+"""Follow-up question latency: cached document vs re-reading the whole prompt.
+
+(a) what a stock LangChain "stuff" chain does: the whole prompt (document + question) through
+``model.generate`` from scratch, for every question; (b) a follow-up question answered from the
+document cache that :meth:`Engine.read` built once. Same model, prompt, greedy decoding and
+answer length for both.
+
+    python -m benchmarks.followup_latency [--tokens 6000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from semanticache_rag import Engine
+from semanticache_rag.prompts import Turn
+
+RESULTS = Path(__file__).parent / "results"
+QUESTIONS = ("What is the special magic number for the blue harbor mentioned in the document?",
+             "What does the license say about warranties?", "Who may distribute copies of the program?")
+
+
+def real_document(tokenizer, tokens: int) -> str:
+    """GPL-3 text (repeated if needed) cut to ``tokens`` tokens, with one planted fact."""
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += "\n\n" + text
+    text = tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+    cut = text.rfind("\n", 0, len(text) // 2) + 1
+    return text[:cut] + "The special magic number for the blue harbor is 7351946.\n" + text[cut:]
+
+
+def stock_generate(engine: Engine, cache, question: str, max_new_tokens: int) -> tuple[float, str]:
+    """Seconds for a full-prompt ``model.generate`` answer (no reuse of any cache)."""
+    tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([cache.prefix_ids.tolist() + tail])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=engine.tokenizer.eos_token_id)
+    return time.perf_counter() - started, engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=6000)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    engine = Engine.from_pretrained()
+    cache = engine.read(real_document(engine.tokenizer, args.tokens))
+    stock, cached, same = [], [], []
+    for i in range(args.repeats):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        seconds, text = stock_generate(engine, cache, question, args.max_new_tokens)
+        answer = engine.ask(cache, question, max_new_tokens=args.max_new_tokens)
+        # Greedy answers are identical both ways, so both runs decode the same number of tokens.
+        same.append(text.strip() == answer.answer)
+        stock.append(seconds)
+        cached.append((answer.prefill_s + answer.decode_s, answer))
+    row = {
+        "document_tokens": cache.length, "read_s": round(cache.prefill_s, 2), "max_new_tokens": args.max_new_tokens,
+        "stock_generate_s": round(statistics.median(stock), 3),
+        "cached_followup_s": round(statistics.median(t for t, _ in cached), 3),
+        "cached_answer_tokens": [a.completion_tokens for _, a in cached], "same_answers": same,
+        "cached_time_to_first_token_s": round(statistics.median(a.prefill_s for _, a in cached), 3),
+        "torch_threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,
+    }
+    row["speedup"] = round(row["stock_generate_s"] / row["cached_followup_s"], 1)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "followup_latency.json").write_text(json.dumps(row, indent=2) + "\n")
+    print(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Semantic chunks: runs of tokens closed by a delimiter (SemantiCache step 1).
+
+Whether a token closes a chunk is decided per vocabulary id from its decoded text, because BPE
+vocabularies fuse punctuation into other tokens (``".\n"``, ``"),"``): matching only the bare
+delimiter ids would miss most boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DELIMITERS = frozenset(".,;:!?\n\t。，；：！？")
+
+
+def _token_test(token_ids: torch.Tensor, tokenizer, test) -> torch.Tensor:
+    """(N,) bool: ``test(text)`` of each token's text, decoding each distinct id once."""
+    unique, inverse = torch.unique(token_ids, return_inverse=True)
+    texts = tokenizer.batch_decode(unique[:, None].tolist())
+    return torch.tensor([bool(test(text)) for text in texts], dtype=torch.bool)[inverse]
+
+
+def delimiter_mask(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(N,) bool: the token's text contains a delimiter."""
+    return _token_test(token_ids, tokenizer, lambda text: any(ch in DELIMITERS for ch in text))
+
+
+def digit_mask(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(N,) bool: the token's text contains a digit (numbers, dates, versions, codes)."""
+    return _token_test(token_ids, tokenizer, lambda text: any(ch.isdigit() for ch in text))
+
+
+def semantic_chunks(delimiters: torch.Tensor, min_length: int = 1, max_length: int = 64) -> torch.Tensor:
+    """Chunk index per token.
+
+    A chunk closes after a delimiter token once it holds at least ``min_length`` tokens, and
+    always at ``max_length`` tokens, so unpunctuated runs still split.
+
+    Parameters
+    ----------
+    delimiters : Tensor (N,) bool
+        From :func:`delimiter_mask`.
+
+    Returns
+    -------
+    Tensor (N,) long
+        Non-decreasing chunk index of each token.
+    """
+    if not 1 <= min_length <= max_length:
+        raise ValueError(f"need 1 <= min_length <= max_length, got {min_length}, {max_length}")
+    ids, chunk, length = [], 0, 0
+    for closes in delimiters.tolist():
+        ids.append(chunk)
+        length += 1
+        if (closes and length >= min_length) or length >= max_length:
+            chunk, length = chunk + 1, 0
+    return torch.tensor(ids, dtype=torch.long)

@@ -1,0 +1,165 @@
+"""SemantiCache: semantic chunks -> Greedy Seed-based Clustering -> semantic cores.
+
+Per layer and KV head, tokens of one delimiter-closed chunk whose post-RoPE keys are similar
+(cosine >= tau) merge into a *semantic core*: the mean key and value of the cluster, kept with
+its size ``s``; decoding adds ``log s`` to the core's attention logit (proportional attention,
+:mod:`semanticache_rag.kernels.proportional_attention_ref`). ``tau`` is found per layer and head
+by bisection so that every head keeps the same number of entries, which meets the budget
+without padding waste.
+
+Protected tokens stay whole: the chat-template tokens around the document, the first
+``sink_tokens`` (attention sinks), the last ``window_tokens``, and *anchors*: tokens the model
+found surprising at prefill (surprisal > mean + ``anchor_std`` std, as SeKV's span boundaries).
+Rare tokens carry the facts; merged into their neighbours they are lost (measured: a planted
+"purple-elephant-42" turned into "SHA-2" at ratio 0.5 without anchors).
+
+When even whole-chunk merging cannot reach the budget, chunks are coarsened (a chunk closes
+at a delimiter only once it has ``min_chunk_length`` tokens, doubled until the budget is
+reachable with room left for the similarity search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from semanticache_rag.chunking import delimiter_mask, digit_mask, semantic_chunks
+from semanticache_rag.compressors.base import CompressionContext, Compressor
+from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels.gsc_ref import (
+    ChunkLayout,
+    chunk_similarity,
+    count_clusters,
+    greedy_seed_clustering,
+    merge_clusters,
+)
+from semanticache_rag.kv import LayerKV
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    layout: ChunkLayout
+    protected: torch.Tensor  # (N,) bool
+    target: int  # entries per KV head
+
+
+@dataclass(frozen=True)
+class SemantiCacheCompressor(Compressor):
+    """Merge similar tokens of each semantic chunk into cores, to a budget.
+
+    Attributes
+    ----------
+    compression_ratio : float
+        Fraction of KV entries to remove, in [0, 1).
+    target_tokens : int or None
+        Entries to keep per KV head instead of a ratio.
+    tau : float or None
+        Fixed cosine threshold in [-1, 1] instead of a budget search.
+    max_chunk_length : int
+        Longest semantic chunk before any coarsening.
+    sink_tokens, window_tokens : int
+        First and last tokens kept whole.
+    anchor_std : float or None
+        Protect tokens with surprisal above mean + ``anchor_std`` std; ``None`` disables anchors.
+    anchor_share : float
+        Most of the kept entries that anchors may take, in [0, 1].
+    search_steps : int
+        Bisection steps of the tau search.
+    """
+
+    name: ClassVar[str] = "semanticache"
+    compression_ratio: float = 0.5
+    target_tokens: int | None = None
+    tau: float | None = None
+    max_chunk_length: int = 64
+    sink_tokens: int = 4
+    window_tokens: int = 32
+    anchor_std: float | None = 0.5
+    anchor_share: float = 0.5
+    protect_digits: bool = True
+    value_similarity: bool = False
+    search_steps: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tau is not None and not -1 <= self.tau <= 1:
+            raise ConfigError(f"tau must be in [-1, 1], got {self.tau!r}")
+        if self.target_tokens is not None and self.target_tokens < 1:
+            raise ConfigError(f"target_tokens must be >= 1, got {self.target_tokens!r}")
+        if self.max_chunk_length < 1 or self.sink_tokens < 0 or self.window_tokens < 0 or self.search_steps < 1:
+            raise ConfigError("max_chunk_length and search_steps must be >= 1, sink/window tokens >= 0")
+        if not 0 <= self.anchor_share <= 1:
+            raise ConfigError(f"anchor_share must be in [0, 1], got {self.anchor_share!r}")
+
+    @property
+    def needs_surprisal(self) -> bool:  # type: ignore[override]
+        return self.anchor_std is not None
+
+    def target_entries(self, num_tokens: int) -> int:
+        if self.target_tokens is None:
+            return super().target_entries(num_tokens)
+        if self.target_tokens > num_tokens:
+            raise ConfigError(f"target_tokens={self.target_tokens} exceeds the document's {num_tokens} tokens")
+        return self.target_tokens
+
+    def prepare(self, context: CompressionContext) -> _Plan:
+        num_tokens = context.token_ids.numel()
+        target = num_tokens if self.tau is not None else self.target_entries(num_tokens)
+        protected = context.protected.clone()
+        protected[: self.sink_tokens] = True
+        protected[max(0, num_tokens - self.window_tokens) :] = True
+        if self.anchor_std is not None and context.surprisal is not None:
+            protected |= self._anchors(context.surprisal, protected, target)
+        if self.protect_digits:
+            protected |= digit_mask(context.token_ids, context.tokenizer)
+        delimiters = delimiter_mask(context.token_ids, context.tokenizer)
+        layout = self._layout(delimiters, protected, target)
+        return _Plan(layout, protected, target)
+
+    def _anchors(self, surprisal: torch.Tensor, protected: torch.Tensor, target: int) -> torch.Tensor:
+        """Most surprising tokens above mean + k std, within ``anchor_share`` of the budget."""
+        scores = surprisal.masked_fill(protected, float("-inf"))
+        free = surprisal[~protected]
+        if free.numel() < 2:
+            return torch.zeros_like(protected)
+        threshold = free.mean() + self.anchor_std * free.std()
+        room = max(0, int(self.anchor_share * target) - int(protected.sum()))
+        count = min(room, int((scores > threshold).sum()))
+        anchors = torch.zeros_like(protected)
+        anchors[scores.topk(count).indices] = True
+        return anchors
+
+    def _layout(self, delimiters: torch.Tensor, protected: torch.Tensor, target: int) -> ChunkLayout:
+        """Finest chunks with which merging can still reach ``target`` (with 10% room to search)."""
+        min_length, max_length = 1, self.max_chunk_length
+        while True:
+            chunk_ids = semantic_chunks(delimiters, min_length, max_length)
+            fewest = int(protected.sum()) + int(torch.unique(chunk_ids[~protected]).numel())
+            if fewest <= 0.9 * target or min_length >= protected.numel():
+                return ChunkLayout.from_chunk_ids(chunk_ids)
+            min_length, max_length = 2 * min_length, max(max_length, 4 * min_length)
+
+    def compress(self, keys, values, context, plan: _Plan) -> LayerKV:
+        num_tokens = keys.shape[2]
+        if plan.target >= num_tokens and self.tau is None:
+            return LayerKV(keys, values)
+        similarity = chunk_similarity(keys[0], plan.layout)
+        if self.value_similarity:
+            similarity = torch.minimum(similarity, chunk_similarity(values[0], plan.layout))
+        tau = self._search_tau(similarity, plan) if self.tau is None else torch.full((keys.shape[1],), self.tau)
+        seeds = greedy_seed_clustering(similarity, plan.layout, tau, plan.protected)
+        core_keys, core_values, sizes = merge_clusters(keys[0], values[0], seeds)
+        return LayerKV(core_keys[None], core_values[None], sizes.log()[None])
+
+    def _search_tau(self, similarity: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """Per head, the largest tau whose clustering keeps at most ``plan.target`` entries."""
+        heads = similarity.shape[0]
+        low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
+        for _ in range(self.search_steps):
+            middle = (low + high) / 2
+            counts = count_clusters(greedy_seed_clustering(similarity, plan.layout, middle, plan.protected))
+            fits = counts <= plan.target
+            low, high = torch.where(fits, middle, low), torch.where(fits, high, middle)
+        return low

