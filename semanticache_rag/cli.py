@@ -74,8 +74,10 @@ def cmd_demo(args) -> None:
     with resources.as_file(path) as pdf:
         engine = _engine(args)
         cache = _read(engine, pdf, args)
+        options = _gen_options(args)
+        options["stop"] = options["stop"] or ("\n\n",)  # one-paragraph answers; a 135M model may loop
         for question in DEMO_QUESTIONS:
-            _print_answer(engine.ask(cache, question, **_gen_options(args)), args)
+            _print_answer(engine.ask(cache, question, **options), args)
 
 
 def cmd_chat(args) -> None:

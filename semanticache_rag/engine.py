@@ -6,7 +6,7 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -50,7 +50,6 @@ class DocumentCache:
     compressor: str
     prefill_s: float
     compress_s: float
-    stats: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -68,10 +67,27 @@ class DocumentCache:
         return sum(2 * layer.keys[:, :, :1].nbytes * self.length for layer in self.layers)
 
     @property
+    def layer_compression_ratios(self) -> list[float]:
+        """Fraction of KV entries removed, per layer."""
+        return [1 - layer.num_entries / (layer.keys.shape[1] * self.length) for layer in self.layers]
+
+    @property
     def compression_ratio(self) -> float:
         """Fraction of KV entries removed, over all layers and heads."""
         full = sum(layer.keys.shape[1] * self.length for layer in self.layers)
         return 1 - sum(layer.num_entries for layer in self.layers) / full
+
+
+@dataclass(frozen=True, eq=False)
+class Prefill:
+    """A document's full KV before compression (see :meth:`Engine.prefill`)."""
+
+    document: Document
+    ids: list[int]
+    pages: torch.Tensor
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]]
+    surprisal: torch.Tensor | None
+    seconds: float
 
 
 class Engine:
@@ -101,7 +117,7 @@ class Engine:
             raise ConfigError(f"prefill_chunk must be >= 1 and answer_reserve >= 0, got {prefill_chunk}, {answer_reserve}")
         self.model, self.tokenizer = model, tokenizer
         self.compressor = compressor or NoCompression()
-        self.model_name = model_name or getattr(model.config, "_name_or_path", "model")
+        self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
         self.prompt = PromptFormat(tokenizer, system_prompt)
         self.prefill_chunk, self.answer_reserve = prefill_chunk, answer_reserve
         self._lock = threading.Lock()
@@ -155,6 +171,14 @@ class Engine:
             The document and room for an answer exceed the model's context (checked before
             any model work).
         """
+        return self.compress(self.prefill(source, progress=progress))
+
+    def prefill(self, source, *, progress: bool = True, surprisal: bool | None = None) -> Prefill:
+        """Read a document into its full, uncompressed KV (the expensive step of :meth:`read`).
+
+        ``surprisal`` (default: whether the engine's compressor needs it) also records each
+        token's ``-log p``. Benchmarks prefill once and :meth:`compress` with several compressors.
+        """
         document = load_document(source)
         ids, pages = self.tokenize_prefix(document)
         limit = self.context_length - self.answer_reserve
@@ -164,33 +188,34 @@ class Engine:
                 f"({self.context_length:,} context minus {self.answer_reserve} for question and answer). "
                 "Use a model with a longer context (--model) or split the document."
             )
+        need = self.compressor.needs_surprisal if surprisal is None else surprisal
         started = time.perf_counter()
-        keys_values, surprisal = self._prefill(ids, document.name, progress)
-        prefilled = time.perf_counter()
-        layers = self._compress(keys_values, ids, pages, surprisal)
-        done = time.perf_counter()
-        return DocumentCache(document, layers, torch.tensor(ids), pages, self.model_name,
-                             repr(self.compressor), prefilled - started, done - prefilled)
+        keys_values, token_surprisal = self._prefill(ids, document.name, progress, need)
+        return Prefill(document, ids, pages, keys_values, token_surprisal, time.perf_counter() - started)
 
-    def _prefill(self, ids: list[int], name: str, progress: bool):
+    def compress(self, prefill: Prefill, compressor: Compressor | None = None) -> DocumentCache:
+        """Compress a :class:`Prefill` with ``compressor`` (default: the engine's) into a cache."""
+        compressor = compressor or self.compressor
+        if compressor.needs_surprisal and prefill.surprisal is None:
+            raise ConfigError(f"{compressor.name} needs token surprisal: prefill with surprisal=True")
+        started = time.perf_counter()
+        context = CompressionContext(torch.tensor(prefill.ids), prefill.pages < 0, prefill.surprisal, self.tokenizer)
+        layers = compressor.compress_document(prefill.keys_values, context)
+        return DocumentCache(prefill.document, layers, torch.tensor(prefill.ids), prefill.pages, self.model_name,
+                             repr(compressor), prefill.seconds, time.perf_counter() - started)
+
+    def _prefill(self, ids: list[int], name: str, progress: bool, need_surprisal: bool):
         kv = ConversationKV(num_layers=self.model.config.num_hidden_layers, capacity=len(ids))
-        need = self.compressor.needs_surprisal
         surprisal = torch.zeros(len(ids))
         steps = range(0, len(ids), self.prefill_chunk)
         for start in tqdm(steps, desc=f"Reading {name}", unit="chunk", disable=not progress, leave=False):
             chunk = ids[start : start + self.prefill_chunk]
-            logits = self.forward(kv, chunk, start, logits_to_keep=len(chunk) if need else 1)
-            if need:
-                logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-                targets = torch.tensor(ids[start + 1 : start + len(chunk)])
-                surprisal[start + 1 : start + len(chunk)] = -logp.gather(1, targets[:, None])[:, 0]
-                if start + len(chunk) < len(ids):  # the chunk's last logits predict the next chunk's first token
-                    surprisal[start + len(chunk)] = -torch.log_softmax(logits[-1].float(), -1)[ids[start + len(chunk)]]
-        return [layer.appended() for layer in kv.layers], surprisal if need else None
-
-    def _compress(self, keys_values, ids, pages, surprisal) -> tuple[LayerKV, ...]:
-        context = CompressionContext(torch.tensor(ids), pages < 0, surprisal, self.tokenizer)
-        return self.compressor.compress_document(keys_values, context)
+            logits = self.forward(kv, chunk, start, logits_to_keep=len(chunk) if need_surprisal else 1)
+            if need_surprisal:  # logits at t predict token t + 1, the next chunk's first token included
+                targets = torch.tensor(ids[start + 1 : start + len(chunk) + 1])
+                logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+                surprisal[start + 1 : start + 1 + len(targets)] = -logp.gather(1, targets[:, None])[:, 0]
+        return [layer.appended() for layer in kv.layers], surprisal if need_surprisal else None
 
     def conversation(self, cache: DocumentCache, **options):
         """A multi-turn chat over ``cache`` (a cheap fork: the document cache is shared)."""

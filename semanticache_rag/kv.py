@@ -22,27 +22,32 @@ class LayerKV:
     ----------
     keys, values : Tensor (1, H_kv, L, D)
         Post-RoPE keys and values of the ``L`` entries (padded to the longest head).
-    log_sizes : Tensor (1, H_kv, L) or None
-        ``log s`` of each entry (``s`` = original tokens it stands for; ``-inf`` marks padding).
-        ``None`` when every entry is one original token.
+    sizes : Tensor (1, H_kv, L) int16/int32, or None
+        Original tokens each entry stands for (0 marks padding); ``None`` when every entry is one
+        token. Integers, so the bias is exact and costs 2 bytes per entry.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
-    log_sizes: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
+
+    @property
+    def log_sizes(self) -> torch.Tensor | None:
+        """``log s`` per entry, ``-inf`` for padding (the proportional-attention bias)."""
+        return None if self.sizes is None else self.sizes.float().log()
 
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor of this layer, padding and bookkeeping included."""
-        tensors = [self.keys, self.values] + ([self.log_sizes] if self.log_sizes is not None else [])
+        tensors = [self.keys, self.values] + ([self.sizes] if self.sizes is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def num_entries(self) -> int:
         """Real (non-padding) entries summed over the KV heads."""
-        if self.log_sizes is None:
+        if self.sizes is None:
             return self.keys.shape[1] * self.keys.shape[2]
-        return int(torch.isfinite(self.log_sizes).sum())
+        return int((self.sizes > 0).sum())
 
 
 class _AppendLayer(CacheLayerMixin):

@@ -151,7 +151,8 @@ class SemantiCacheCompressor(Compressor):
         tau = self._search_tau(similarity, plan) if self.tau is None else torch.full((keys.shape[1],), self.tau)
         seeds = greedy_seed_clustering(similarity, plan.layout, tau, plan.protected)
         core_keys, core_values, sizes = merge_clusters(keys[0], values[0], seeds)
-        return LayerKV(core_keys[None], core_values[None], sizes.log()[None])
+        dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
+        return LayerKV(core_keys[None], core_values[None], sizes.to(dtype)[None])
 
     def _search_tau(self, similarity: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """Per head, the largest tau whose clustering keeps at most ``plan.target`` entries."""

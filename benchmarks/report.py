@@ -1,0 +1,66 @@
+"""Tables, plots and environment notes shared by the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def environment(started: float) -> str:
+    """One markdown line saying where and how long the benchmark ran."""
+    import torch
+    import transformers
+
+    return (f"Environment: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, Python {platform.python_version()}; "
+            f"ran {time.perf_counter() - started:.0f} s.")
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """Mean score (%) per method x ratio, one column per value of ``columns``, plus costs."""
+    keys = sorted({tuple(r[c] for c in columns) for r in rows})
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["method"], r["ratio"])].append(r)
+    head = ["method", "ratio", *[" ".join(map(str, k)) for k in keys], "mean", "KV bytes", "compress s", "decode ms/tok"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (method, ratio), group in sorted(groups.items(), key=lambda g: (g[0][1], g[0][0])):
+        cells = [method, f"{ratio:.2f}"]
+        for k in keys:
+            scores = [r["score"] for r in group if tuple(r[c] for c in columns) == k]
+            cells.append(f"{100 * statistics.mean(scores):.0f}" if scores else "")
+        decode = [r["decode_ms_per_token"] for r in group if r.get("decode_ms_per_token")]
+        cells += [f"**{100 * statistics.mean(r['score'] for r in group):.0f}**",
+                  f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in group):.1%}",
+                  f"{statistics.mean(r['compress_s'] for r in group):.2f}",
+                  f"{statistics.mean(decode):.0f}" if decode else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def heatmap(rows: list[dict], path: Path) -> None:
+    """Score per (haystack tokens, depth) for each method x ratio, as a PNG grid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["method"], r["ratio"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    lengths, depths = sorted({r["tokens"] for r in rows}), sorted({r["depth"] for r in rows})
+    fig, axes = plt.subplots(1, len(configs), figsize=(2.2 * len(configs), 2.8), squeeze=False)
+    for ax, (method, ratio) in zip(axes[0], configs):
+        grid = [[statistics.mean(r["score"] for r in rows if (r["method"], r["ratio"], r["tokens"], r["depth"])
+                                 == (method, ratio, n, d)) for n in lengths] for d in depths]
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(f"{method}\nratio {ratio}", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1000}K" for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths], fontsize=7)
+    axes[0][0].set_ylabel("needle depth")
+    fig.supxlabel("haystack tokens", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

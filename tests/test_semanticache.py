@@ -1,0 +1,138 @@
+"""SemantiCache and the other compressors: invariants on tiny models and synthetic keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semanticache_rag import ConfigError, Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor
+from semanticache_rag.chunking import delimiter_mask, semantic_chunks
+from semanticache_rag.compressors import make_compressor
+from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
+
+
+def test_delimiters_found_inside_fused_tokens(tiny_tokenizer):
+    ids = torch.tensor(tiny_tokenizer("Copy it, then share.\nDone; ok")["input_ids"])
+    texts = [tiny_tokenizer.decode([i]) for i in ids]
+    mask = delimiter_mask(ids, tiny_tokenizer)
+    assert mask.tolist() == [any(c in ".,;:\n" for c in t) for t in texts] and mask.any()
+
+
+def test_chunks_close_at_delimiters_and_cap_length():
+    delims = torch.tensor([0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    assert semantic_chunks(delims, 1, 4).tolist() == [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4]
+    assert semantic_chunks(delims, 3, 8).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+
+
+def _synthetic(num_tokens=77, heads=3, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(heads, num_tokens, dim, generator=g)
+    keys[:, 10:20] = keys[:, 10:11] + 0.01 * torch.randn(heads, 10, dim, generator=g)  # near-duplicates
+    values = torch.randn(heads, num_tokens, dim, generator=g)
+    chunk_ids = torch.arange(num_tokens) // 9
+    return keys, values, ChunkLayout.from_chunk_ids(chunk_ids), chunk_ids
+
+
+def test_gsc_clusters_stay_inside_chunks_and_sizes_sum():
+    keys, values, layout, chunk_ids = _synthetic()
+    protected = torch.zeros(77, dtype=torch.bool)
+    protected[[0, 13, 76]] = True
+    seeds = greedy_seed_clustering(chunk_similarity(keys, layout), layout, torch.tensor([0.1, 0.5, 0.9]), protected)
+    assert (chunk_ids[seeds] == chunk_ids).all()  # no cluster spans two chunks
+    assert (seeds <= torch.arange(77)).all()  # the seed is the first token of its cluster
+    assert (seeds[:, protected] == torch.arange(77)[protected]).all()
+    assert not (torch.isin(seeds, torch.tensor([0, 13, 76])) & ~protected).any()  # nothing joins a protected token
+    core_keys, core_values, sizes = merge_clusters(keys, values, seeds)
+    assert (sizes.sum(1) == 77).all()
+    first = seeds[0] == 10  # members of head 0's cluster seeded at token 10
+    torch.testing.assert_close(core_keys[0, int((seeds[0] == torch.arange(77))[:10].sum())], keys[0, first].mean(0))
+
+
+def test_threshold_one_keeps_distinct_keys_apart():
+    keys, values, layout, _ = _synthetic()
+    seeds = greedy_seed_clustering(chunk_similarity(keys, layout), layout, torch.full((3,), 1.0 + 1e-6),
+                                   torch.zeros(77, dtype=torch.bool))
+    assert (seeds == torch.arange(77)).all()
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75, 0.9])
+def test_budget_met_per_layer_and_bytes_shrink(tiny_model, tiny_tokenizer, ratio, document_text):
+    engine = Engine(tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(ratio, anchor_std=None),
+                    prefill_chunk=128)
+    cache = engine.read(document_text, progress=False)
+    assert cache.length > 1000
+    for layer in cache.layers:
+        kept = layer.num_entries / (layer.keys.shape[1] * cache.length)
+        assert abs((1 - kept) - ratio) <= 0.02
+        sizes = layer.sizes.float()
+        assert torch.allclose(sizes.sum(-1), torch.full_like(sizes.sum(-1), cache.length))  # sizes sum per head
+    assert abs(cache.compression_ratio - ratio) <= 0.02
+    assert cache.nbytes <= (1 - ratio) * cache.full_nbytes * 1.10
+
+
+def test_protected_tokens_are_kept_verbatim(tiny_llama, tiny_tokenizer, document_text):
+    comp = SemantiCacheCompressor(0.75, anchor_std=None, sink_tokens=4, window_tokens=8)
+    engine = Engine(tiny_llama, tiny_tokenizer, compressor=NoCompression(), prefill_chunk=128)
+    full = engine.read(document_text, progress=False)
+    engine.compressor = comp
+    small = engine.read(document_text, progress=False)
+    head = int((full.token_pages < 0).sum())
+    for f, s in zip(full.layers, small.layers):
+        kept = f.keys[0, :, : max(head, 4)]
+        assert torch.equal(s.keys[0, :, : kept.shape[1]], kept)  # template head and sinks, in order
+        sizes = s.sizes[0].float()
+        for h in range(f.keys.shape[1]):
+            real = sizes[h] > 0
+            assert torch.equal(s.keys[0, h, real][-8:], f.keys[0, h, -8:])  # the recent window
+            assert torch.equal(sizes[h, real][-8:], torch.ones(8))
+
+
+def test_ratio_zero_gives_the_uncompressed_answers(tiny_model, tiny_tokenizer, document_text):
+    plain = Engine(tiny_model, tiny_tokenizer, prefill_chunk=128)
+    zero = Engine(tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(0.0), prefill_chunk=128)
+    a, b = (e.ask(e.read(document_text, progress=False), "Who may copy it?", max_new_tokens=10) for e in (plain, zero))
+    assert a.answer == b.answer
+
+
+def test_compressed_cache_answers_and_stays_unchanged(tiny_model, tiny_tokenizer, document_text):
+    engine = Engine(tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(0.5), prefill_chunk=128)
+    cache = engine.read(document_text, progress=False)
+    snapshot = [layer.keys.clone() for layer in cache.layers]
+    first = engine.ask(cache, "Who may copy it?", max_new_tokens=8)
+    assert engine.ask(cache, "Who may copy it?", max_new_tokens=8).answer == first.answer
+    assert all(torch.equal(s, layer.keys) for s, layer in zip(snapshot, cache.layers))
+    assert first.cache_bytes == cache.nbytes < cache.full_nbytes
+
+
+def test_streaming_llm_keeps_sinks_and_recent(tiny_llama, tiny_tokenizer, document_text):
+    engine = Engine(tiny_llama, tiny_tokenizer, prefill_chunk=128)
+    full = engine.read(document_text, progress=False)
+    engine.compressor = StreamingLLMCompressor(0.5, sink_tokens=4)
+    small = engine.read(document_text, progress=False)
+    keep = round(0.5 * full.length)
+    for f, s in zip(full.layers, small.layers):
+        assert s.keys.shape[2] == keep
+        assert torch.equal(s.keys[:, :, :4], f.keys[:, :, :4])
+        assert torch.equal(s.keys[:, :, 4:], f.keys[:, :, -(keep - 4):])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"compression_ratio": 1.0}, "compression_ratio"), ({"compression_ratio": -0.1}, "compression_ratio"),
+    ({"tau": 1.5}, "tau"), ({"target_tokens": 0}, "target_tokens"), ({"anchor_share": 2}, "anchor_share"),
+])
+def test_bad_configs_name_the_value(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SemantiCacheCompressor(**kwargs)
+
+
+def test_budget_larger_than_document_is_an_error(tiny_llama, tiny_tokenizer):
+    engine = Engine(tiny_llama, tiny_tokenizer, compressor=SemantiCacheCompressor(target_tokens=10_000))
+    with pytest.raises(ConfigError, match="exceeds the document"):
+        engine.read("A short document. It has two sentences.", progress=False)
+
+
+def test_registry_builds_by_name():
+    assert isinstance(make_compressor("semanticache", 0.75), SemantiCacheCompressor)
+    assert make_compressor("streaming_llm", 0.5).compression_ratio == 0.5
+    with pytest.raises(ConfigError, match="unknown compression"):
+        make_compressor("zip")
