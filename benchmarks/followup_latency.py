@@ -23,8 +23,11 @@ from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor
 from semanticache_rag.prompts import Turn
 
 RESULTS = Path(__file__).parent / "results"
-QUESTIONS = ("What is the special magic number for the blue harbor mentioned in the document?",
-             "What does the license say about warranties?", "Who may distribute copies of the program?")
+QUESTIONS = (
+    "What is the special magic number for the blue harbor mentioned in the document?",
+    "What does the license say about warranties?",
+    "Who may distribute copies of the program?",
+)
 
 
 def real_document(tokenizer, tokens: int) -> str:
@@ -43,20 +46,28 @@ def stock_generate(engine: Engine, cache, question: str, max_new_tokens: int) ->
     ids = torch.tensor([cache.prefix_ids.tolist() + tail])
     started = time.perf_counter()
     with torch.inference_mode():
-        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=engine.tokenizer.eos_token_id)
-    return time.perf_counter() - started, engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = engine.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=engine.tokenizer.eos_token_id,
+        )
+    return time.perf_counter() - started, engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def timed_followups(engine: Engine, cache, args, stock_texts=None) -> dict:
     """Median follow-up latency from ``cache`` over the benchmark questions."""
-    answers = [engine.ask(cache, QUESTIONS[i % len(QUESTIONS)], max_new_tokens=args.max_new_tokens)
-               for i in range(args.repeats)]
+    answers = [
+        engine.ask(cache, QUESTIONS[i % len(QUESTIONS)], max_new_tokens=args.max_new_tokens)
+        for i in range(args.repeats)
+    ]
     row = {
         "followup_s": round(statistics.median(a.prefill_s + a.decode_s for a in answers), 3),
         "time_to_first_token_s": round(statistics.median(a.prefill_s for a in answers), 3),
         "decode_ms_per_token": round(statistics.median(1000 / a.tokens_per_s for a in answers), 1),
-        "answer_tokens": [a.completion_tokens for a in answers], "kv_bytes": cache.nbytes,
+        "answer_tokens": [a.completion_tokens for a in answers],
+        "kv_bytes": cache.nbytes,
     }
     if stock_texts is not None:  # greedy answers must be identical to the stock pipeline's
         row["same_answers_as_stock"] = [t.strip() == a.answer for t, a in zip(stock_texts, answers)]
@@ -72,17 +83,28 @@ def main() -> None:
     engine = Engine.from_pretrained()
     prefill = engine.prefill(real_document(engine.tokenizer, args.tokens), surprisal=True)
     full = engine.compress(prefill, NoCompression())
-    stock = [stock_generate(engine, full, QUESTIONS[i % len(QUESTIONS)], args.max_new_tokens)
-             for i in range(args.repeats)]
+    stock = [
+        stock_generate(engine, full, QUESTIONS[i % len(QUESTIONS)], args.max_new_tokens) for i in range(args.repeats)
+    ]
     stock_s = statistics.median(s for s, _ in stock)
-    rows = {"stock_generate": {"followup_s": round(stock_s, 3), "kv_bytes": full.full_nbytes},
-            "cached_full": timed_followups(engine, full, args, [t for _, t in stock]),
-            "cached_semanticache_0.75": timed_followups(engine, engine.compress(prefill, SemantiCacheCompressor(0.75)), args)}
-    for name, row in rows.items():
+    rows = {
+        "stock_generate": {"followup_s": round(stock_s, 3), "kv_bytes": full.full_nbytes},
+        "cached_full": timed_followups(engine, full, args, [t for _, t in stock]),
+        "cached_semanticache_0.75": timed_followups(
+            engine, engine.compress(prefill, SemantiCacheCompressor(0.75)), args
+        ),
+    }
+    for row in rows.values():
         row["speedup_vs_stock"] = round(stock_s / row["followup_s"], 1)
-    result = {"document_tokens": full.length, "read_s": round(prefill.seconds, 2), "max_new_tokens": args.max_new_tokens,
-              "torch_threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,
-              "results": rows}
+    result = {
+        "document_tokens": full.length,
+        "read_s": round(prefill.seconds, 2),
+        "max_new_tokens": args.max_new_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "results": rows,
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "followup_latency.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

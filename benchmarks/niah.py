@@ -54,13 +54,30 @@ def run(args) -> list[dict]:
                 for method, ratio, compressor in methods(args.ratios):
                     cache = engine.compress(prefill, compressor)
                     answer = engine.ask(cache, question, max_new_tokens=32)
-                    rows.append({"method": method, "ratio": ratio, "tokens": tokens, "depth": depth, "sample": sample,
-                                 "score": float(value in answer.answer), "answer": answer.answer,
-                                 "document_tokens": cache.length, "achieved_ratio": round(cache.compression_ratio, 4),
-                                 "kv_bytes": cache.nbytes, "full_kv_bytes": cache.full_nbytes,
-                                 "prefill_s": round(prefill.seconds, 3), "compress_s": round(cache.compress_s, 3),
-                                 "decode_ms_per_token": round(1000 / answer.tokens_per_s, 1) if answer.tokens_per_s else None})
-                    print(json.dumps({k: rows[-1][k] for k in ("method", "ratio", "tokens", "depth", "score")}), flush=True)
+                    rows.append(
+                        {
+                            "method": method,
+                            "ratio": ratio,
+                            "tokens": tokens,
+                            "depth": depth,
+                            "sample": sample,
+                            "score": float(value in answer.answer),
+                            "answer": answer.answer,
+                            "document_tokens": cache.length,
+                            "achieved_ratio": round(cache.compression_ratio, 4),
+                            "kv_bytes": cache.nbytes,
+                            "full_kv_bytes": cache.full_nbytes,
+                            "prefill_s": round(prefill.seconds, 3),
+                            "compress_s": round(cache.compress_s, 3),
+                            "decode_ms_per_token": round(1000 / answer.tokens_per_s, 1)
+                            if answer.tokens_per_s
+                            else None,
+                        }
+                    )
+                    print(
+                        json.dumps({k: rows[-1][k] for k in ("method", "ratio", "tokens", "depth", "score")}),
+                        flush=True,
+                    )
     return rows
 
 

@@ -15,9 +15,11 @@ def environment(started: float) -> str:
     import torch
     import transformers
 
-    return (f"Environment: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, Python {platform.python_version()}; "
-            f"ran {time.perf_counter() - started:.0f} s.")
+    return (
+        f"Environment: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, Python {platform.python_version()}; "
+        f"ran {time.perf_counter() - started:.0f} s."
+    )
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
@@ -26,7 +28,15 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     groups = defaultdict(list)
     for r in rows:
         groups[(r["method"], r["ratio"])].append(r)
-    head = ["method", "ratio", *[" ".join(map(str, k)) for k in keys], "mean", "KV bytes", "compress s", "decode ms/tok"]
+    head = [
+        "method",
+        "ratio",
+        *[" ".join(map(str, k)) for k in keys],
+        "mean",
+        "KV bytes",
+        "compress s",
+        "decode ms/tok",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (method, ratio), group in sorted(groups.items(), key=lambda g: (g[0][1], g[0][0])):
         cells = [method, f"{ratio:.2f}"]
@@ -34,10 +44,12 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
             scores = [r["score"] for r in group if tuple(r[c] for c in columns) == k]
             cells.append(f"{100 * statistics.mean(scores):.0f}" if scores else "")
         decode = [r["decode_ms_per_token"] for r in group if r.get("decode_ms_per_token")]
-        cells += [f"**{100 * statistics.mean(r['score'] for r in group):.0f}**",
-                  f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in group):.1%}",
-                  f"{statistics.mean(r['compress_s'] for r in group):.2f}",
-                  f"{statistics.mean(decode):.0f}" if decode else ""]
+        cells += [
+            f"**{100 * statistics.mean(r['score'] for r in group):.0f}**",
+            f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in group):.1%}",
+            f"{statistics.mean(r['compress_s'] for r in group):.2f}",
+            f"{statistics.mean(decode):.0f}" if decode else "",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -53,8 +65,17 @@ def heatmap(rows: list[dict], path: Path) -> None:
     lengths, depths = sorted({r["tokens"] for r in rows}), sorted({r["depth"] for r in rows})
     fig, axes = plt.subplots(1, len(configs), figsize=(2.2 * len(configs), 2.8), squeeze=False)
     for ax, (method, ratio) in zip(axes[0], configs):
-        grid = [[statistics.mean(r["score"] for r in rows if (r["method"], r["ratio"], r["tokens"], r["depth"])
-                                 == (method, ratio, n, d)) for n in lengths] for d in depths]
+        grid = [
+            [
+                statistics.mean(
+                    r["score"]
+                    for r in rows
+                    if (r["method"], r["ratio"], r["tokens"], r["depth"]) == (method, ratio, n, d)
+                )
+                for n in lengths
+            ]
+            for d in depths
+        ]
         ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_title(f"{method}\nratio {ratio}", fontsize=8)
         ax.set_xticks(range(len(lengths)), [f"{n // 1000}K" for n in lengths], fontsize=7)

@@ -58,8 +58,9 @@ def chunk_similarity(keys: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return grid @ grid.transpose(-1, -2)
 
 
-def greedy_seed_clustering(similarity: torch.Tensor, layout: ChunkLayout, tau: torch.Tensor,
-                           protected: torch.Tensor) -> torch.Tensor:
+def greedy_seed_clustering(
+    similarity: torch.Tensor, layout: ChunkLayout, tau: torch.Tensor, protected: torch.Tensor
+) -> torch.Tensor:
     """Seed of each token's cluster, as a token index.
 
     Parameters

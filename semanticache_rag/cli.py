@@ -46,8 +46,13 @@ def _read(engine, path, args):
 
 
 def _gen_options(args) -> dict:
-    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "stop": tuple(args.stop or ()), "seed": args.seed}
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "stop": tuple(args.stop or ()),
+        "seed": args.seed,
+    }
 
 
 def _print_answer(answer, args) -> None:
@@ -99,15 +104,18 @@ def cmd_chat(args) -> None:
         for piece in conversation.stream(question):
             print(piece, end="", flush=True)
         a = conversation.last_answer
-        print(f"\n   [{a.prefill_s + a.decode_s:.2f}s; {a.cached_tokens:,}/{a.prompt_tokens:,} tokens reused]",
-              file=sys.stderr)
+        print(
+            f"\n   [{a.prefill_s + a.decode_s:.2f}s; {a.cached_tokens:,}/{a.prompt_tokens:,} tokens reused]",
+            file=sys.stderr,
+        )
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="transformers model id or directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--compression", default="none", help="compressor name (default: none)")
-    p.add_argument("--ratio", type=float, default=None,
-                   help="fraction of KV entries to remove (default: the compressor's own)")
+    p.add_argument(
+        "--ratio", type=float, default=None, help="fraction of KV entries to remove (default: the compressor's own)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

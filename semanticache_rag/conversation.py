@@ -74,16 +74,7 @@ class Conversation:
         """Yield the answer as text pieces; :attr:`last_answer` is set when it ends."""
         opts = GenerationOptions(**{**asdict(self.options), **options})
         engine, start = self.engine, time.perf_counter()
-        tail = engine.tokenizer(engine.prompt.tail(self.turns + [Turn(question)]), add_special_tokens=False)["input_ids"]
-        budget = engine.context_length - self.cache.length - len(tail)
-        if budget < 1:
-            raise ContextLengthError(
-                f"the conversation needs {self.cache.length + len(tail):,} tokens of context; "
-                f"{engine.model_name} has {engine.context_length:,}. Start a new conversation or ask a shorter question."
-            )
-        # Reuse every appended token the new prompt shares with the cache; feed at least one.
-        reused = min(_common_prefix(self._tail_ids, tail), len(tail) - 1)
-        self.kv.crop(reused)
+        tail, reused, budget = self._prepare(question)
         stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings)
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
         logits = engine.forward(self.kv, tail[reused:], self.cache.length + reused)[-1]
@@ -107,15 +98,40 @@ class Conversation:
         rest = stream.flush()
         if rest:
             yield rest
-        end = time.perf_counter()
-        self.turns.append(Turn(question, stream.text.strip()))
-        decode_s = end - first
+        self._finish(question, stream.text.strip(), len(tail), reused, generated, finish, start, first)
+
+    def _prepare(self, question: str) -> tuple[list[int], int, int]:
+        """Tokens after the document for this turn, how many are already cached, room to answer."""
+        engine = self.engine
+        text = engine.prompt.tail(self.turns + [Turn(question)])
+        tail = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        budget = engine.context_length - self.cache.length - len(tail)
+        if budget < 1:
+            raise ContextLengthError(
+                f"the conversation needs {self.cache.length + len(tail):,} tokens of context; "
+                f"{engine.model_name} has {engine.context_length:,}. "
+                "Start a new conversation or ask a shorter question."
+            )
+        # Reuse every appended token the new prompt shares with the cache; feed at least one.
+        reused = min(_common_prefix(self._tail_ids, tail), len(tail) - 1)
+        self.kv.crop(reused)
+        return tail, reused, budget
+
+    def _finish(self, question, text, tail_len, reused, generated, finish, start, first) -> None:
+        decode_s = time.perf_counter() - first
+        self.turns.append(Turn(question, text))
         self.last_answer = Answer(
-            question=question, answer=stream.text.strip(), prompt_tokens=self.cache.length + len(tail),
-            cached_tokens=self.cache.length + reused, completion_tokens=generated,
-            prefill_s=first - start, decode_s=decode_s,
+            question=question,
+            answer=text,
+            prompt_tokens=self.cache.length + tail_len,
+            cached_tokens=self.cache.length + reused,
+            completion_tokens=generated,
+            prefill_s=first - start,
+            decode_s=decode_s,
             tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
-            document_tokens=self.cache.length, cache_bytes=self.cache.nbytes, finish_reason=finish,
+            document_tokens=self.cache.length,
+            cache_bytes=self.cache.nbytes,
+            finish_reason=finish,
         )
 
     def _eos_ids(self) -> set[int]:

@@ -110,11 +110,21 @@ class Engine:
         Tokens of context kept free for a question and its answer when reading.
     """
 
-    def __init__(self, model, tokenizer, *, compressor: Compressor | None = None, model_name: str | None = None,
-                 system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, prefill_chunk: int = 512,
-                 answer_reserve: int = 256):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        compressor: Compressor | None = None,
+        model_name: str | None = None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        prefill_chunk: int = 512,
+        answer_reserve: int = 256,
+    ):
         if prefill_chunk < 1 or answer_reserve < 0:
-            raise ConfigError(f"prefill_chunk must be >= 1 and answer_reserve >= 0, got {prefill_chunk}, {answer_reserve}")
+            raise ConfigError(
+                f"prefill_chunk must be >= 1 and answer_reserve >= 0, got {prefill_chunk}, {answer_reserve}"
+            )
         self.model, self.tokenizer = model, tokenizer
         self.compressor = compressor or NoCompression()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -125,8 +135,15 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, compressor: Compressor | None = None,
-                        device: str | None = None, dtype=None, **kwargs) -> Engine:
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        *,
+        compressor: Compressor | None = None,
+        device: str | None = None,
+        dtype=None,
+        **kwargs,
+    ) -> Engine:
         """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it."""
         from semanticache_rag.models import load_model
 
@@ -147,8 +164,14 @@ class Engine:
         input_ids = torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
         with self._lock, torch.inference_mode():
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
-                             logits_to_keep=logits_to_keep, semanticache_kv=kv, **{self._cache_kwarg: kv})
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                semanticache_kv=kv,
+                **{self._cache_kwarg: kv},
+            )
         return out.logits[0]
 
     def tokenize_prefix(self, document: Document) -> tuple[list[int], torch.Tensor]:
@@ -201,8 +224,16 @@ class Engine:
         started = time.perf_counter()
         context = CompressionContext(torch.tensor(prefill.ids), prefill.pages < 0, prefill.surprisal, self.tokenizer)
         layers = compressor.compress_document(prefill.keys_values, context)
-        return DocumentCache(prefill.document, layers, torch.tensor(prefill.ids), prefill.pages, self.model_name,
-                             repr(compressor), prefill.seconds, time.perf_counter() - started)
+        return DocumentCache(
+            prefill.document,
+            layers,
+            torch.tensor(prefill.ids),
+            prefill.pages,
+            self.model_name,
+            repr(compressor),
+            prefill.seconds,
+            time.perf_counter() - started,
+        )
 
     def _prefill(self, ids: list[int], name: str, progress: bool, need_surprisal: bool):
         kv = ConversationKV(num_layers=self.model.config.num_hidden_layers, capacity=len(ids))

@@ -55,9 +55,16 @@ class PromptFormat:
 
     def _render(self, turns: list[Turn]) -> str:
         if not self.chat:
-            return _INTRO + _DOC + "".join(
-                (_OUTRO if i == 0 else "\n\nQuestion: ") + t.question + "\nAnswer:" + (f" {t.answer}" if t.answer else "")
-                for i, t in enumerate(turns)
+            return (
+                _INTRO
+                + _DOC
+                + "".join(
+                    (_OUTRO if i == 0 else "\n\nQuestion: ")
+                    + t.question
+                    + "\nAnswer:"
+                    + (f" {t.answer}" if t.answer else "")
+                    for i, t in enumerate(turns)
+                )
             )
         kwargs = {"tokenize": False, "add_generation_prompt": turns[-1].answer is None}
         if self.system_prompt:

@@ -30,11 +30,17 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([corpus_text()], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -44,9 +50,19 @@ def _tiny_model(kind: str, vocab_size: int):
 
     from semanticache_rag.attention import register_attention
 
-    common = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                  eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_id=2,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention())

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from semanticache_rag.kernels.proportional_attention_ref import proportional_attention
 
 
@@ -27,8 +26,10 @@ def naive(query, new_k, new_v, doc_k=None, doc_v=None, doc_bias=None):
     return (scores.softmax(-1) @ values).transpose(1, 2)
 
 
-@pytest.mark.parametrize("heads,kv_heads,q_len,t_len,l_len,dim", [(6, 2, 1, 5, 77, 16), (9, 3, 7, 11, 33, 64),
-                                                                    (4, 4, 3, 3, 0, 8), (8, 2, 13, 13, 0, 32)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,q_len,t_len,l_len,dim",
+    [(6, 2, 1, 5, 77, 16), (9, 3, 7, 11, 33, 64), (4, 4, 3, 3, 0, 8), (8, 2, 13, 13, 0, 32)],
+)
 def test_matches_naive(heads, kv_heads, q_len, t_len, l_len, dim):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, q_len, dim, generator=g)
@@ -53,7 +54,11 @@ def test_duplicates_equal_one_entry_with_log_size():
 
 def test_padding_entries_are_ignored():
     g = torch.Generator().manual_seed(2)
-    q, nk, nv = torch.randn(1, 4, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g)
+    q, nk, nv = (
+        torch.randn(1, 4, 1, 8, generator=g),
+        torch.randn(1, 2, 1, 8, generator=g),
+        torch.randn(1, 2, 1, 8, generator=g),
+    )
     k, v = torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
     bias = torch.zeros(1, 2, 6)
     bias[:, 1, 4:] = float("-inf")  # head 1 has only 4 real entries

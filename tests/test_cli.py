@@ -8,8 +8,17 @@ import pytest
 
 from semanticache_rag.cli import main
 
-JSON_KEYS = {"question", "answer", "prompt_tokens", "cached_tokens", "prefill_s", "decode_s", "tokens_per_s",
-             "document_tokens", "cache_bytes"}
+JSON_KEYS = {
+    "question",
+    "answer",
+    "prompt_tokens",
+    "cached_tokens",
+    "prefill_s",
+    "decode_s",
+    "tokens_per_s",
+    "document_tokens",
+    "cache_bytes",
+}
 
 
 @pytest.fixture()
@@ -20,8 +29,21 @@ def text_file(tmp_path, document_text):
 
 
 def test_ask_json_lines(tiny_model_dir, text_file, capsys):
-    code = main(["ask", str(text_file), "-q", "Who may copy it?", "-q", "Why?", "--model", str(tiny_model_dir),
-                 "--json", "--max-new-tokens", "5"])
+    code = main(
+        [
+            "ask",
+            str(text_file),
+            "-q",
+            "Who may copy it?",
+            "-q",
+            "Why?",
+            "--model",
+            str(tiny_model_dir),
+            "--json",
+            "--max-new-tokens",
+            "5",
+        ]
+    )
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["question"] for line in lines] == ["Who may copy it?", "Why?"]
@@ -37,11 +59,14 @@ def test_ask_human_output(tiny_model_dir, text_file, capsys):
     assert "Q: Who?" in out and "reused from the document cache" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["ask", "missing.pdf", "-q", "?"], "no such file"),
-    (["ask", "{doc}", "-q", "?", "--model", "/nonexistent/model"], "Cannot load model"),
-    (["ask", "{doc}", "-q", "?", "--compression", "zip"], "unknown compression"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["ask", "missing.pdf", "-q", "?"], "no such file"),
+        (["ask", "{doc}", "-q", "?", "--model", "/nonexistent/model"], "Cannot load model"),
+        (["ask", "{doc}", "-q", "?", "--compression", "zip"], "unknown compression"),
+    ],
+)
 def test_errors_are_one_line_without_traceback(argv, message, text_file, tiny_model_dir, capsys):
     argv = [a.replace("{doc}", str(text_file)) for a in argv]
     if "--model" not in argv:

@@ -16,9 +16,15 @@ def generate_reference(engine, cache, turns, max_new_tokens):
     tail = engine.tokenizer(engine.prompt.tail(turns), add_special_tokens=False)["input_ids"]
     ids = torch.tensor([cache.prefix_ids.tolist() + tail])
     with torch.inference_mode():
-        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False, eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)
-    return engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        out = engine.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=engine.tokenizer.eos_token_id,
+            pad_token_id=0,
+        )
+    return engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def test_answer_equals_full_prompt_generate(tiny_engine, document_text):
@@ -35,8 +41,9 @@ def test_question_reuses_document_and_leaves_it_unchanged(tiny_engine, document_
     second = tiny_engine.ask(cache, "Who holds the copyright?", max_new_tokens=10)
     assert first.answer == second.answer
     assert first.cached_tokens == cache.length == first.document_tokens
-    tail = tiny_engine.tokenizer(tiny_engine.prompt.tail([Turn("Who holds the copyright?")]),
-                                 add_special_tokens=False)["input_ids"]
+    tail = tiny_engine.tokenizer(tiny_engine.prompt.tail([Turn("Who holds the copyright?")]), add_special_tokens=False)[
+        "input_ids"
+    ]
     assert first.prompt_tokens - first.cached_tokens == len(tail)
     for (k, v), layer in zip(before, cache.layers):
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)

@@ -6,8 +6,7 @@ import importlib.util
 
 import pytest
 
-from semanticache_rag import ModelLoadError
-from semanticache_rag import models
+from semanticache_rag import ModelLoadError, models
 
 
 def test_home_dir_follows_environment(monkeypatch, tmp_path):

@@ -1,12 +1,13 @@
-"""Integration tests with the real default model, SmolLM2-135M-Instruct (a minute or two on a CPU)."""
+"""Integration tests with the real default model, SmolLM2-135M-Instruct (a few minutes on a CPU)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from tests_support import planted_document
+
+from semanticache_rag import NoCompression, SemantiCacheCompressor
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +24,15 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def planted(engine):
+def planted_prefill(engine):
     text, question, answer = planted_document(tokens=3000, tokenizer=engine.tokenizer)
-    return engine.read(text, progress=False), question, answer
+    return engine.prefill(text, progress=False, surprisal=True), question, answer
+
+
+@pytest.fixture(scope="module")
+def planted(engine, planted_prefill):
+    prefill, question, answer = planted_prefill
+    return engine.compress(prefill, NoCompression()), question, answer
 
 
 def test_planted_fact_is_retrieved(engine, planted):
@@ -53,3 +60,29 @@ def test_chat_turn_sees_the_previous_turn(engine, planted):
     second = conv.ask("Repeat the number from your previous answer.")
     assert second.cached_tokens > cache.length
     assert expected in second.answer
+
+
+def test_semanticache_ratio_zero_gives_identical_tokens(engine, planted_prefill, planted):
+    prefill, question, _ = planted_prefill
+    full, _, _ = planted
+    zero = engine.compress(prefill, SemantiCacheCompressor(0.0))
+    assert engine.ask(zero, question, max_new_tokens=24).answer == engine.ask(full, question, max_new_tokens=24).answer
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_semanticache_keeps_the_planted_fact(engine, planted_prefill, ratio):
+    prefill, question, expected = planted_prefill
+    cache = engine.compress(prefill, SemantiCacheCompressor(ratio))
+    assert abs(cache.compression_ratio - ratio) <= 0.02
+    assert cache.nbytes <= (1 - ratio) * cache.full_nbytes * 1.10
+    assert expected in engine.ask(cache, question, max_new_tokens=32).answer
+
+
+def test_bundled_pdf_end_to_end(engine):
+    from importlib import resources
+
+    with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
+        cache = engine.read(pdf, progress=False)
+    assert cache.document.total_pages == 7 and cache.token_pages.max() == 6
+    answer = engine.ask(cache, "What is the latest version of the LH fonts?", max_new_tokens=24)
+    assert "3.20" in answer.answer

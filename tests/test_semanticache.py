@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 
 from semanticache_rag import ConfigError, Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor
 from semanticache_rag.chunking import delimiter_mask, semantic_chunks
 from semanticache_rag.compressors import make_compressor
-from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 
 
 def test_delimiters_found_inside_fused_tokens(tiny_tokenizer):
@@ -50,15 +50,17 @@ def test_gsc_clusters_stay_inside_chunks_and_sizes_sum():
 
 def test_threshold_one_keeps_distinct_keys_apart():
     keys, values, layout, _ = _synthetic()
-    seeds = greedy_seed_clustering(chunk_similarity(keys, layout), layout, torch.full((3,), 1.0 + 1e-6),
-                                   torch.zeros(77, dtype=torch.bool))
+    seeds = greedy_seed_clustering(
+        chunk_similarity(keys, layout), layout, torch.full((3,), 1.0 + 1e-6), torch.zeros(77, dtype=torch.bool)
+    )
     assert (seeds == torch.arange(77)).all()
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.75, 0.9])
 def test_budget_met_per_layer_and_bytes_shrink(tiny_model, tiny_tokenizer, ratio, document_text):
-    engine = Engine(tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(ratio, anchor_std=None),
-                    prefill_chunk=128)
+    engine = Engine(
+        tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(ratio, anchor_std=None), prefill_chunk=128
+    )
     cache = engine.read(document_text, progress=False)
     assert cache.length > 1000
     for layer in cache.layers:
@@ -113,13 +115,19 @@ def test_streaming_llm_keeps_sinks_and_recent(tiny_llama, tiny_tokenizer, docume
     for f, s in zip(full.layers, small.layers):
         assert s.keys.shape[2] == keep
         assert torch.equal(s.keys[:, :, :4], f.keys[:, :, :4])
-        assert torch.equal(s.keys[:, :, 4:], f.keys[:, :, -(keep - 4):])
+        assert torch.equal(s.keys[:, :, 4:], f.keys[:, :, -(keep - 4) :])
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"compression_ratio": 1.0}, "compression_ratio"), ({"compression_ratio": -0.1}, "compression_ratio"),
-    ({"tau": 1.5}, "tau"), ({"target_tokens": 0}, "target_tokens"), ({"anchor_share": 2}, "anchor_share"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"compression_ratio": 1.0}, "compression_ratio"),
+        ({"compression_ratio": -0.1}, "compression_ratio"),
+        ({"tau": 1.5}, "tau"),
+        ({"target_tokens": 0}, "target_tokens"),
+        ({"anchor_share": 2}, "anchor_share"),
+    ],
+)
 def test_bad_configs_name_the_value(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         SemantiCacheCompressor(**kwargs)

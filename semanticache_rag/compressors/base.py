@@ -85,7 +85,9 @@ class NoCompression(Compressor):
     def __post_init__(self):
         super().__post_init__()
         if self.compression_ratio != 0:
-            raise ConfigError(f"NoCompression keeps every entry; compression_ratio must be 0, got {self.compression_ratio!r}")
+            raise ConfigError(
+                f"NoCompression keeps every entry; compression_ratio must be 0, got {self.compression_ratio!r}"
+            )
 
     def compress(self, keys, values, context, plan):
         return LayerKV(keys, values)
