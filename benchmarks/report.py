@@ -22,36 +22,68 @@ def environment(started: float) -> str:
     )
 
 
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
-    """Mean score (%) per method x ratio, one column per value of ``columns``, plus costs."""
+def mean_of(key: str, fmt: str):
+    """A table metric: the mean of ``key`` over a group's rows that have it."""
+
+    def cell(group: list[dict]) -> str:
+        values = [r[key] for r in group if r.get(key) is not None]
+        return fmt.format(statistics.mean(values)) if values else ""
+
+    return cell
+
+
+NIAH_METRICS = [
+    ("KV bytes", lambda g: f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in g):.1%}"),
+    ("compress s", mean_of("compress_s", "{:.2f}")),
+    ("decode ms/tok", mean_of("decode_ms_per_token", "{:.0f}")),
+]
+
+
+def markdown_table(rows: list[dict], columns: list[str], metrics=None) -> str:
+    """Mean score (%) per method x ratio, one column per value of ``columns``, then ``metrics``."""
+    metrics = NIAH_METRICS if metrics is None else metrics
     keys = sorted({tuple(r[c] for c in columns) for r in rows})
     groups = defaultdict(list)
     for r in rows:
         groups[(r["method"], r["ratio"])].append(r)
-    head = [
-        "method",
-        "ratio",
-        *[" ".join(map(str, k)) for k in keys],
-        "mean",
-        "KV bytes",
-        "compress s",
-        "decode ms/tok",
-    ]
+    head = ["method", "ratio", *[" ".join(map(str, k)) for k in keys], "mean", *[name for name, _ in metrics]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (method, ratio), group in sorted(groups.items(), key=lambda g: (g[0][1], g[0][0])):
         cells = [method, f"{ratio:.2f}"]
         for k in keys:
             scores = [r["score"] for r in group if tuple(r[c] for c in columns) == k]
             cells.append(f"{100 * statistics.mean(scores):.0f}" if scores else "")
-        decode = [r["decode_ms_per_token"] for r in group if r.get("decode_ms_per_token")]
-        cells += [
-            f"**{100 * statistics.mean(r['score'] for r in group):.0f}**",
-            f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in group):.1%}",
-            f"{statistics.mean(r['compress_s'] for r in group):.2f}",
-            f"{statistics.mean(decode):.0f}" if decode else "",
-        ]
+        cells.append(f"**{100 * statistics.mean(r['score'] for r in group):.0f}**")
+        cells += [fn(group) for _, fn in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def score_vs_ratio_plot(rows: list[dict], path: Path, title: str) -> None:
+    """Mean score against compression ratio, one line per method (the full cache as a dashed line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in sorted({r["method"] for r in rows}):
+        ratios = sorted({r["ratio"] for r in rows if r["method"] == method})
+        means = [
+            100 * statistics.mean(r["score"] for r in rows if (r["method"], r["ratio"]) == (method, x)) for x in ratios
+        ]
+        if method == "full":
+            ax.axhline(means[0], color="black", linestyle="--", label="full cache")
+        else:
+            ax.plot(ratios, means, marker="o", label=method)
+    ax.set_xlabel("compression ratio (fraction of KV entries removed)")
+    ax.set_ylabel("score (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def heatmap(rows: list[dict], path: Path) -> None:

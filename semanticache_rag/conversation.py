@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from semanticache_rag.errors import ContextLengthError
 from semanticache_rag.generation import GenerationOptions, Sampler, TextStream
@@ -33,10 +33,11 @@ class Answer:
     document_tokens: int
     cache_bytes: int
     finish_reason: str
+    completion_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (the ``--json`` line format)."""
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "completion_ids"}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -98,7 +99,7 @@ class Conversation:
         rest = stream.flush()
         if rest:
             yield rest
-        self._finish(question, stream.text.strip(), len(tail), reused, generated, finish, start, first)
+        self._finish(question, stream, len(tail), reused, generated, finish, (start, first))
 
     def _prepare(self, question: str) -> tuple[list[int], int, int]:
         """Tokens after the document for this turn, how many are already cached, room to answer."""
@@ -117,7 +118,8 @@ class Conversation:
         self.kv.crop(reused)
         return tail, reused, budget
 
-    def _finish(self, question, text, tail_len, reused, generated, finish, start, first) -> None:
+    def _finish(self, question, stream, tail_len, reused, generated, finish, times) -> None:
+        (start, first), text = times, stream.text.strip()
         decode_s = time.perf_counter() - first
         self.turns.append(Turn(question, text))
         self.last_answer = Answer(
@@ -132,6 +134,7 @@ class Conversation:
             document_tokens=self.cache.length,
             cache_bytes=self.cache.nbytes,
             finish_reason=finish,
+            completion_ids=tuple(stream.ids),
         )
 
     def _eos_ids(self) -> set[int]:

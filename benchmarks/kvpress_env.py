@@ -1,0 +1,173 @@
+"""NVIDIA kvpress baselines, run in kvpress's own virtual environment.
+
+kvpress 0.5.5 pins ``transformers<5.3`` while this package needs 5.x >= 5.3, so the presses
+cannot share our venv. :func:`ensure_kvpress_env` builds a separate venv once (CPU torch first,
+so pip does not pull a multi-GB CUDA build), and :func:`run_kvpress` runs
+``benchmarks/kvpress_runner.py`` there as a subprocess, on token ids that we prepared, so every
+method sees byte-identical prompts. This module never imports kvpress.
+
+    from benchmarks.kvpress_env import run_kvpress
+    rows = run_kvpress("tasks.jsonl", model_dir, ["snapkv", "knorm"], [0.5], "kvpress.jsonl")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import venv
+from collections import deque
+from pathlib import Path
+
+from semanticache_rag.models import home_dir
+
+logger = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).with_name("kvpress_runner.py")
+# Installed in this order: torch alone first (a local CPU build satisfies it), then kvpress with
+# the newest transformers it allows; pip then keeps the torch that is already there.
+TORCH_REQUIREMENT = "torch==2.13.0"
+KVPRESS_REQUIREMENTS = ("kvpress==0.5.5", "transformers==5.2.0", "tqdm")
+MARKER = "semanticache-kvpress.json"
+PIP_TAIL_LINES = 40
+
+
+def _venv_python(home: Path) -> Path:
+    """Path of the interpreter inside venv ``home``."""
+    return home / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _pip_install(python: Path, requirements: list[str]) -> None:
+    """``pip install`` into the venv of ``python``; raise RuntimeError with the output tail."""
+    command = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements]
+    logger.info("kvpress venv: %s", " ".join(command[3:]))
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-PIP_TAIL_LINES:])
+        raise RuntimeError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}):\n{tail}")
+
+
+def _marker_matches(home: Path) -> bool:
+    """True when a previous build of ``home`` finished with the current requirements."""
+    marker = home / MARKER
+    if not marker.is_file() or not _venv_python(home).is_file():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return recorded == {"torch": TORCH_REQUIREMENT, "requirements": list(KVPRESS_REQUIREMENTS)}
+
+
+def ensure_kvpress_env(home: Path | None = None) -> Path:
+    """Build (once) the kvpress venv and return its python.
+
+    Parameters
+    ----------
+    home : Path, optional
+        Venv directory; defaults to ``home_dir() / "kvpress-venv"``.
+
+    Returns
+    -------
+    Path
+        The venv's python interpreter.
+
+    Raises
+    ------
+    RuntimeError
+        When an install step fails; the message holds the tail of pip's output.
+
+    Notes
+    -----
+    A marker file is written only after every install succeeded, so a half-built venv (an
+    interrupted or failed earlier run) is wiped and rebuilt from scratch.
+    """
+    home = Path(home) if home is not None else home_dir() / "kvpress-venv"
+    python = _venv_python(home)
+    if _marker_matches(home):
+        return python
+    logger.info("building the kvpress venv at %s (a few minutes, once)", home)
+    venv.EnvBuilder(with_pip=True, clear=True).create(home)
+    _pip_install(python, [TORCH_REQUIREMENT])
+    _pip_install(python, [*KVPRESS_REQUIREMENTS, TORCH_REQUIREMENT])
+    marker = {"torch": TORCH_REQUIREMENT, "requirements": list(KVPRESS_REQUIREMENTS)}
+    (home / MARKER).write_text(json.dumps(marker))
+    return python
+
+
+def _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens) -> list[str]:
+    """Command line for ``kvpress_runner.py``."""
+    return [
+        str(python),
+        str(RUNNER),
+        "--tasks", str(tasks_path),
+        "--model", str(model_dir),
+        "--presses", *presses,
+        "--ratios", *(str(float(r)) for r in ratios),
+        "--max-new-tokens", str(int(max_new_tokens)),
+        "--out", str(out_path),
+    ]  # fmt: skip
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """Rows of a JSONL file."""
+    with path.open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def run_kvpress(
+    tasks_path: str | Path,
+    model_dir: str | Path,
+    presses: list[str],
+    ratios: list[float],
+    out_path: str | Path,
+    max_new_tokens: int = 32,
+    python: str | Path | None = None,
+) -> list[dict]:
+    """Run kvpress presses on prepared tasks in the kvpress venv.
+
+    Parameters
+    ----------
+    tasks_path : str or Path
+        JSONL tasks, one context per line (format in ``kvpress_runner.py``).
+    model_dir : str or Path
+        A transformers (safetensors) model directory.
+    presses : list of str
+        Press names: ``none``, ``snapkv``, ``streaming_llm``, ``knorm``,
+        ``expected_attention``, ``chunkkv``.
+    ratios : list of float
+        Compression ratios in [0, 1) (fraction of the context cache removed).
+    out_path : str or Path
+        Where the runner writes its JSONL rows (overwritten).
+    max_new_tokens : int
+        Greedy answer length cap.
+    python : str or Path, optional
+        Interpreter to use; defaults to :func:`ensure_kvpress_env`'s.
+
+    Returns
+    -------
+    list of dict
+        One row per (press, ratio, question), as written to ``out_path``.
+
+    Raises
+    ------
+    RuntimeError
+        When the runner exits with an error; the message holds the tail of its stderr.
+    """
+    python = Path(python) if python is not None else ensure_kvpress_env()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    command = _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens)
+    logger.info("running %s", " ".join(command))
+    tail: deque[str] = deque(maxlen=PIP_TAIL_LINES)
+    # stdout is unused by the runner; stderr carries progress, passed through as it arrives.
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            tail.append(line.rstrip("\n"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvpress runner failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return _read_rows(out_path)

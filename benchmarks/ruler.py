@@ -1,0 +1,219 @@
+"""RULER-style long-context QA: our compressors and NVIDIA kvpress's presses, side by side.
+
+Each context is prefilled once and compressed once per method and ratio, *without* the question
+(question-agnostic); then all its questions are asked with greedy decoding and scored with RULER's
+string match. Fidelity is KL(full || compressed) of the next-token distributions over the
+full-cache answer tokens (teacher forcing). kvpress runs in a virtual environment of its own
+(it pins transformers < 5.3), on exactly the same token ids.
+
+    python -m benchmarks.ruler                       # default run (~1 h on 2 cores, no kvpress)
+    python -m benchmarks.ruler --kvpress             # + kvpress presses (much slower: one prefill each)
+    python -m benchmarks.ruler --quick --model DIR   # CI smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks.report import environment, markdown_table, mean_of, score_vs_ratio_plot
+from benchmarks.ruler_tasks import TASKS, build, score
+from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor, load_document
+from semanticache_rag.kv import ConversationKV
+from semanticache_rag.prompts import Turn
+
+RESULTS = Path(__file__).parent / "results"
+KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "chunkkv")
+
+
+def our_methods(ratios):
+    """(method, ratio, compressor) for every compressor of this package."""
+    yield "full", 0.0, NoCompression()
+    for ratio in ratios:
+        yield "semanticache", ratio, SemantiCacheCompressor(ratio)
+        yield "streaming_llm", ratio, StreamingLLMCompressor(ratio)
+
+
+def tail_ids(engine: Engine, question: str) -> list[int]:
+    return engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
+
+
+def forced_logprobs(engine: Engine, cache, tail: list[int], answer: tuple[int, ...]) -> torch.Tensor | None:
+    """Log-distributions (A, V) of each full-cache answer token given the cache (teacher forcing)."""
+    if not answer:
+        return None
+    kv = ConversationKV(cache.layers)
+    logits = engine.forward(kv, tail + list(answer[:-1]), cache.length, logits_to_keep=len(answer))
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def kl(reference: torch.Tensor | None, other: torch.Tensor | None) -> float:
+    """Mean over answer tokens of KL(reference || other)."""
+    if reference is None or other is None:
+        return 0.0
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+def run_ours(engine: Engine, contexts, ratios) -> list[dict]:
+    rows = []
+    for context in tqdm(contexts, desc="contexts (ours)", unit="ctx"):
+        prefill = engine.prefill(context.document, surprisal=True, progress=False)
+        reference = {}
+        for method, ratio, compressor in our_methods(ratios):
+            cache = engine.compress(prefill, compressor)
+            for q in context.questions:
+                tail = tail_ids(engine, q.text)
+                answer = engine.ask(cache, q.text, max_new_tokens=32)
+                if method == "full":
+                    reference[q.qid] = (
+                        answer.completion_ids,
+                        forced_logprobs(engine, cache, tail, answer.completion_ids),
+                    )
+                ids, ref_logp = reference[q.qid]
+                rows.append(
+                    _row(
+                        method,
+                        ratio,
+                        context,
+                        q,
+                        answer.answer,
+                        cache.nbytes,
+                        cache.full_nbytes,
+                        prefill.seconds + cache.compress_s,
+                        answer.tokens_per_s,
+                        kl(ref_logp, forced_logprobs(engine, cache, tail, ids)),
+                    )
+                )
+    return rows
+
+
+def _row(method, ratio, context, q, answer, kv_bytes, full_bytes, seconds, tokens_per_s, fidelity) -> dict:
+    return {
+        "method": method,
+        "ratio": ratio,
+        "task": context.task,
+        "length": context.length,
+        "context_id": context.context_id,
+        "qid": q.qid,
+        "answer": answer,
+        "refs": q.refs,
+        "score": score(answer, q.refs, q.metric),
+        "kv_bytes": kv_bytes,
+        "full_kv_bytes": full_bytes,
+        "prefill_compress_s": round(seconds, 3),
+        "kl": round(fidelity, 5),
+        "decode_ms_per_token": round(1000 / tokens_per_s, 1) if tokens_per_s else None,
+    }
+
+
+def run_kvpress(engine: Engine, contexts, ratios, model_dir: str) -> list[dict]:
+    """The same contexts and token ids through kvpress's presses, in kvpress's own venv."""
+    from benchmarks.kvpress_env import run_kvpress as run
+
+    RESULTS.mkdir(exist_ok=True)
+    tasks_path = RESULTS / "ruler_kvpress_tasks.tmp"
+    by_qid = {}
+    with open(tasks_path, "w") as out:
+        for c in contexts:
+            prefix, _ = engine.tokenize_prefix(load_document(c.document))
+            questions = [
+                {"qid": q.qid, "tail_ids": tail_ids(engine, q.text), "refs": q.refs, "metric": q.metric}
+                for q in c.questions
+            ]
+            by_qid.update({q.qid: (c, q) for q in c.questions})
+            out.write(
+                json.dumps(
+                    {
+                        "context_id": c.context_id,
+                        "task": c.task,
+                        "length": c.length,
+                        "prefix_ids": prefix,
+                        "questions": questions,
+                    }
+                )
+                + "\n"
+            )
+    raw = run(tasks_path, model_dir, ("none",) + KVPRESS_PRESSES, ratios, RESULTS / "ruler_kvpress_raw.tmp")
+    rows = []
+    for r in raw:
+        if r["method"] == "kvpress:none":
+            continue
+        context, q = by_qid[r["qid"]]
+        rows.append(
+            _row(
+                r["method"],
+                r["ratio"],
+                context,
+                q,
+                r["answer"],
+                r["kv_bytes"],
+                r["full_kv_bytes"],
+                r["prefill_compress_s"],
+                1000 / r["decode_ms_per_token"] if r["decode_ms_per_token"] else 0,
+                r["kl"],
+            )
+        )
+    return rows
+
+
+METRICS = [
+    ("KV bytes", lambda g: f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in g):.1%}"),
+    ("KL", lambda g: f"{statistics.mean(r['kl'] for r in g):.3f}"),
+    ("prefill+compress s", mean_of("prefill_compress_s", "{:.1f}")),
+    ("decode ms/tok", mean_of("decode_ms_per_token", "{:.0f}")),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model id or directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 7500])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    parser.add_argument("--samples", type=int, default=2, help="contexts per task and length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kvpress", action="store_true", help="also run kvpress's presses in their own venv")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 sample, 300 tokens, ratio 0.5")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.lengths, args.ratios = 1, [300], [0.5]
+    started = time.perf_counter()
+    torch.manual_seed(args.seed)
+    engine = Engine.from_pretrained(args.model)
+    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
+    rows = run_ours(engine, contexts, args.ratios)
+    if args.kvpress:
+        from semanticache_rag.models import resolve_model
+
+        rows += run_kvpress(engine, contexts, args.ratios, resolve_model(args.model))
+    write_results(rows, args, started)
+
+
+def write_results(rows: list[dict], args, started: float) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "ruler.jsonl", "w") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+    table = markdown_table(rows, ["task"], METRICS)
+    by_length = markdown_table(rows, ["length"], [])
+    settings = (
+        f"Tasks {', '.join(args.tasks)}; lengths {args.lengths}; {args.samples} context(s) per task and "
+        f"length; ratios {args.ratios}; seed {args.seed}; greedy, 32 new tokens; score = RULER string match %."
+    )
+    (args.out / "ruler.md").write_text(
+        f"# RULER-style QA, question-agnostic\n\n{settings}\n\n{table}\n\nBy length:\n\n{by_length}\n\n"
+        f"{environment(started)}\n"
+    )
+    score_vs_ratio_plot(rows, args.out / "ruler.png", "RULER-style QA (mean over tasks)")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

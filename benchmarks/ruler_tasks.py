@@ -1,0 +1,145 @@
+"""RULER-style tasks built offline from RULER's own corpora (see :mod:`benchmarks.data`).
+
+Faithful to RULER's generators (``long_context_eval/data/synthetic/{niah,qa}.py`` and
+``synthetic.yaml``): the same needle sentence, haystacks (repeated filler, Paul Graham essays),
+SQuAD / HotpotQA documents with distractors, and the same scoring. Two changes for the
+question-agnostic setting: the question is *not* part of the document, and every context carries
+several questions (all keys of a multikey haystack, several QA pairs) so each compressed cache is
+asked more than once.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from benchmarks.data import paul_graham_essays, ruler_json
+
+NIAH_PREAMBLE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+REPEAT_HAYSTACK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+QA_PREAMBLE = "The following are given documents.\n\n"
+QA_QUESTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any "
+    "other words.\n\nQuestion: {query}"
+)
+TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "qa_1", "qa_2")
+
+
+@dataclass
+class Question:
+    qid: str
+    text: str
+    refs: list[str]
+    metric: str  # "all" (NIAH: every reference) or "part" (QA: any reference)
+
+
+@dataclass
+class Context:
+    context_id: str
+    task: str
+    length: int
+    document: str
+    questions: list[Question] = field(default_factory=list)
+
+
+def score(prediction: str, refs: list[str], metric: str) -> float:
+    """RULER's string match: ``all`` = share of refs found, ``part`` = any ref found (case-insensitive)."""
+    found = [ref.lower() in prediction.lower() for ref in refs]
+    return sum(found) / len(found) if metric == "all" else float(any(found))
+
+
+def _words(rng: random.Random, count: int) -> list[str]:
+    """RULER keys are random words; draw ``word-word`` keys from the essays' vocabulary."""
+    vocab = sorted(set(re.findall(r"\b[a-z]{5,9}\b", paul_graham_essays()[:200_000])))
+    return [f"{rng.choice(vocab)}-{rng.choice(vocab)}" for _ in range(count)]
+
+
+def _fit(count_tokens, pieces: list[str], target: int, joiner: str) -> int:
+    """How many leading ``pieces``, joined, fit ``target`` tokens (binary search; at least 1)."""
+    low, high = 1, len(pieces)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count_tokens(joiner.join(pieces[:mid])) <= target:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def niah(task: str, length: int, index: int, count_tokens, rng: random.Random) -> Context:
+    """``niah_single_1`` (repeated filler), ``niah_single_2`` (essays), ``niah_multikey_1`` (essays, 4 keys)."""
+    keys = _words(rng, 4 if task == "niah_multikey_1" else 1)
+    values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+    needles = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
+    budget = length - sum(count_tokens(n) for n in needles) - count_tokens(NIAH_PREAMBLE) - 8
+    if task == "niah_single_1":
+        sentences = [REPEAT_HAYSTACK] * (length // 10)
+    else:
+        essays = paul_graham_essays()
+        start = rng.randrange(0, len(essays) - length * 8)
+        sentences = re.split(r"(?<=[.!?])\s+", essays[start : start + length * 8])
+    haystack = sentences[: _fit(count_tokens, sentences, budget, " ")]
+    for needle in needles:
+        haystack.insert(rng.randrange(0, len(haystack) + 1), needle)
+    context = Context(f"{task}-{length}-{index}", task, length, NIAH_PREAMBLE + " ".join(haystack))
+    for i, (key, value) in enumerate(zip(keys, values)):
+        if task != "niah_multikey_1" or i < 2:  # RULER asks one key; two keys per haystack here
+            context.questions.append(
+                Question(f"{context.context_id}-q{i}", NIAH_QUESTION.format(key=key), [value], "all")
+            )
+    return context
+
+
+def _squad():
+    data = ruler_json("squad")
+    docs, qas = [], []
+    for article in data["data"]:
+        for paragraph in article["paragraphs"]:
+            docs.append(paragraph["context"])
+            for qa in paragraph["qas"]:
+                if not qa["is_impossible"]:
+                    qas.append((qa["question"], [a["text"] for a in qa["answers"]], [paragraph["context"]]))
+    return sorted(set(docs)), qas
+
+
+def _hotpotqa():
+    data = ruler_json("hotpotqa")
+    docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
+    qas = [(d["question"], [d["answer"]], [f"{t}\n{''.join(p)}" for t, p in d["context"]]) for d in data]
+    return docs, qas
+
+
+def qa(task: str, length: int, index: int, count_tokens, rng: random.Random) -> Context:
+    """``qa_1`` (SQuAD) and ``qa_2`` (HotpotQA): gold documents of 2 QA pairs (1 if short) plus distractors."""
+    docs, qas = _squad() if task == "qa_1" else _hotpotqa()
+    questions = 2 if length >= 2000 else 1
+    chosen = rng.sample(qas, questions)
+    gold = list(dict.fromkeys(d for _, _, ds in chosen for d in ds))
+    distractors = [d for d in rng.sample(docs, min(len(docs), 400)) if d not in gold]
+    budget = length - count_tokens(QA_PREAMBLE) - 8
+    pool = gold + distractors  # gold first: always kept
+    kept = pool[: max(len(gold), _fit(count_tokens, pool, budget, "\n\n"))]
+    rng.shuffle(kept)
+    text = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(kept))
+    context = Context(f"{task}-{length}-{index}", task, length, QA_PREAMBLE + text)
+    for i, (query, refs, _) in enumerate(chosen):
+        context.questions.append(Question(f"{context.context_id}-q{i}", QA_QUESTION.format(query=query), refs, "part"))
+    return context
+
+
+def build(tasks, lengths, samples: int, count_tokens, seed: int = 0) -> list[Context]:
+    """Every task x length x sample context, reproducibly from ``seed``."""
+    contexts = []
+    for task in tasks:
+        for length in lengths:
+            for index in range(samples):
+                rng = random.Random(f"{seed}-{task}-{length}-{index}")
+                make = niah if task.startswith("niah") else qa
+                contexts.append(make(task, length, index, count_tokens, rng))
+    return contexts
