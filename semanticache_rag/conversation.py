@@ -18,7 +18,9 @@ class Answer:
 
     ``prompt_tokens`` counts every token the answer was conditioned on (document included);
     ``cached_tokens`` of them were reused from caches, so only ``prompt_tokens - cached_tokens``
-    were computed for this question. ``prefill_s`` is the time to the first answer token,
+    were computed for this question. ``cache_creation_tokens`` were prefilled into a new document
+    cache by this call (prompt caching of registered documents, :mod:`semanticache_rag.prompt_cache`).
+    ``prefill_s`` is the time to the first answer token,
     ``decode_s`` the time for the rest, ``tokens_per_s`` the decode rate after the first token.
     """
 
@@ -34,6 +36,8 @@ class Answer:
     cache_bytes: int
     finish_reason: str
     completion_ids: tuple[int, ...] = field(default=(), repr=False)
+    cache_creation_tokens: int = 0
+    document_id: str | None = None
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (the ``--json`` line format)."""
@@ -73,9 +77,16 @@ class Conversation:
 
     def stream(self, question: str, **options) -> Iterator[str]:
         """Yield the answer as text pieces; :attr:`last_answer` is set when it ends."""
+        engine = self.engine
+        text = engine.prompt.tail(self.turns + [Turn(question)])
+        tail = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        yield from self.stream_tokens(tail, question, **options)
+
+    def stream_tokens(self, tail: list[int], question: str, **options) -> Iterator[str]:
+        """Like :meth:`stream`, for a tail already tokenised (everything after the document)."""
         opts = GenerationOptions(**{**asdict(self.options), **options})
         engine, start = self.engine, time.perf_counter()
-        tail, reused, budget = self._prepare(question)
+        reused, budget = self._prepare(tail)
         stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings)
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
         logits = engine.forward(self.kv, tail[reused:], self.cache.length + reused)[-1]
@@ -101,11 +112,11 @@ class Conversation:
             yield rest
         self._finish(question, stream, len(tail), reused, generated, finish, (start, first))
 
-    def _prepare(self, question: str) -> tuple[list[int], int, int]:
-        """Tokens after the document for this turn, how many are already cached, room to answer."""
+    def _prepare(self, tail: list[int]) -> tuple[int, int]:
+        """How many of ``tail`` are already cached (the rest is cropped), and room to answer."""
         engine = self.engine
-        text = engine.prompt.tail(self.turns + [Turn(question)])
-        tail = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not tail:
+            raise ValueError("a question needs at least one token after the document")
         budget = engine.context_length - self.cache.length - len(tail)
         if budget < 1:
             raise ContextLengthError(
@@ -116,7 +127,7 @@ class Conversation:
         # Reuse every appended token the new prompt shares with the cache; feed at least one.
         reused = min(_common_prefix(self._tail_ids, tail), len(tail) - 1)
         self.kv.crop(reused)
-        return tail, reused, budget
+        return reused, budget
 
     def _finish(self, question, stream, tail_len, reused, generated, finish, times) -> None:
         (start, first), text = times, stream.text.strip()

@@ -204,6 +204,18 @@ class Engine:
         """
         document = load_document(source)
         ids, pages = self.tokenize_prefix(document)
+        return self.prefill_tokens(document, ids, pages, progress=progress, surprisal=surprisal)
+
+    def prefill_tokens(
+        self,
+        document: Document,
+        ids: list[int],
+        pages: torch.Tensor,
+        *,
+        progress: bool = True,
+        surprisal: bool | None = None,
+    ) -> Prefill:
+        """Prefill given prefix tokens (``pages``: page index per token, -1 for template tokens)."""
         limit = self.context_length - self.answer_reserve
         if len(ids) > limit:
             raise ContextLengthError(
@@ -247,6 +259,16 @@ class Engine:
                 logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
                 surprisal[start + 1 : start + 1 + len(targets)] = -logp.gather(1, targets[:, None])[:, 0]
         return [layer.appended() for layer in kv.layers], surprisal if need_surprisal else None
+
+    def empty_cache(self) -> DocumentCache:
+        """A cache of no tokens, for prompts that hold no known document."""
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        empty = torch.zeros(1, heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
+        layers = tuple(LayerKV(empty, empty) for _ in range(config.num_hidden_layers))
+        none = torch.zeros(0, dtype=torch.long)
+        return DocumentCache(load_document("(empty)"), layers, none, none.int(), self.model_name, "none", 0.0, 0.0)
 
     def conversation(self, cache: DocumentCache, **options):
         """A multi-turn chat over ``cache`` (a cheap fork: the document cache is shared)."""

@@ -100,8 +100,12 @@ class TextStream:
         return self._emit(len(self.text) - hold)
 
     def flush(self) -> str:
-        """Return whatever is still held back once decoding has ended."""
-        return self._emit(len(self.text.rstrip("\ufffd")))
+        """Return whatever is still held back once decoding has ended.
+
+        A trailing incomplete multi-byte character (decoded as U+FFFD) is dropped from the text.
+        """
+        self.text = self.text.rstrip("\ufffd")
+        return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
         if upto <= self.emitted:

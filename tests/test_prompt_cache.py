@@ -1,0 +1,82 @@
+"""Prompt caching of registered documents on the tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semanticache_rag import ConfigError
+from semanticache_rag.prompt_cache import PromptCache
+
+
+def stuff_prompt(document: str, question: str) -> list[dict]:
+    """What a stuff-documents chain sends: instructions + document in the system message."""
+    return [
+        {"role": "system", "content": f"Use the following context to answer.\n\n{document}"},
+        {"role": "user", "content": question},
+    ]
+
+
+def test_second_prompt_reads_the_cache(tiny_engine, document_text):
+    cache = PromptCache(tiny_engine)
+    doc_id = cache.register(document_text)
+    first = cache.ask(stuff_prompt(document_text, "Who may copy it?"), max_new_tokens=6)
+    second = cache.ask(stuff_prompt(document_text, "What is it about?"), max_new_tokens=6)
+    assert first.document_id == second.document_id == doc_id
+    assert first.cached_tokens == 0 and first.cache_creation_tokens > 1000
+    assert second.cache_creation_tokens == 0 and second.cached_tokens == first.cache_creation_tokens
+    assert second.prompt_tokens - second.cached_tokens < 30
+
+
+def test_cached_answer_equals_full_prompt_generate(tiny_engine, document_text):
+    cache = PromptCache(tiny_engine)
+    cache.register(document_text)
+    messages = stuff_prompt(document_text, "Who may copy it?")
+    cache.ask(stuff_prompt(document_text, "Warm the cache."), max_new_tokens=3)
+    answer = cache.ask(messages, max_new_tokens=8)
+    text = cache.render(messages)
+    ids = torch.tensor(
+        [
+            tiny_engine.tokenizer(text[: text.index(document_text[-80:]) + 80], add_special_tokens=False)["input_ids"]
+            + tiny_engine.tokenizer(text[text.index(document_text[-80:]) + 80 :], add_special_tokens=False)["input_ids"]
+        ]
+    )
+    with torch.inference_mode():
+        out = tiny_engine.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=tiny_engine.tokenizer.eos_token_id,
+            pad_token_id=0,
+        )
+    assert answer.answer == tiny_engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_prompt_without_a_registered_document_still_answers(tiny_engine):
+    answer = PromptCache(tiny_engine).ask("Say something.", max_new_tokens=4)
+    assert answer.document_id is None and answer.cached_tokens == 0 and answer.completion_tokens >= 1
+
+
+def test_streaming_sets_the_answer(tiny_engine, document_text):
+    cache = PromptCache(tiny_engine)
+    cache.register(document_text)
+    stream = cache.stream(stuff_prompt(document_text, "Who?"), max_new_tokens=5)
+    pieces = list(stream)
+    assert "".join(pieces).strip() == stream.answer.answer
+
+
+def test_lru_keeps_a_bounded_number_of_prefixes(tiny_engine, document_text):
+    cache = PromptCache(tiny_engine, max_prefixes=1)
+    cache.register(document_text)
+    for intro in ("Context A", "Context B", "Context A"):
+        messages = [{"role": "system", "content": f"{intro}\n\n{document_text}"}, {"role": "user", "content": "?"}]
+        answer = cache.ask(messages, max_new_tokens=2)
+        assert answer.cache_creation_tokens > 0  # each evicted the other
+    assert len(cache._caches) == 1
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "x y", "x" * 200])
+def test_bad_document_ids_are_rejected(tiny_engine, bad):
+    with pytest.raises(ConfigError):
+        PromptCache(tiny_engine).register("Some text. " * 20, doc_id=bad)
