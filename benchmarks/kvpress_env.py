@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import venv
-from collections import deque
 from pathlib import Path
 
 from semanticache_rag.models import home_dir
@@ -31,7 +30,7 @@ RUNNER = Path(__file__).with_name("kvpress_runner.py")
 TORCH_REQUIREMENT = "torch==2.13.0"
 KVPRESS_REQUIREMENTS = ("kvpress==0.5.5", "transformers==5.2.0", "tqdm")
 MARKER = "semanticache-kvpress.json"
-PIP_TAIL_LINES = 40
+TAIL_LINES = 40
 
 
 def _venv_python(home: Path) -> Path:
@@ -45,7 +44,7 @@ def _pip_install(python: Path, requirements: list[str]) -> None:
     logger.info("kvpress venv: %s", " ".join(command[3:]))
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-PIP_TAIL_LINES:])
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL_LINES:])
         raise RuntimeError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}):\n{tail}")
 
 
@@ -111,6 +110,18 @@ def _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, ma
     ]  # fmt: skip
 
 
+def _relay(stream, keep: int = 16_384) -> bytes:
+    """Copy ``stream`` to our stderr chunk by chunk; return its last ``keep`` bytes."""
+    sink = getattr(sys.stderr, "buffer", None)
+    tail = b""
+    for chunk in iter(lambda: stream.read1(4096), b""):
+        if sink is not None:
+            sink.write(chunk)
+            sink.flush()
+        tail = (tail + chunk)[-keep:]
+    return tail
+
+
 def _read_rows(path: Path) -> list[dict]:
     """Rows of a JSONL file."""
     with path.open() as handle:
@@ -161,13 +172,12 @@ def run_kvpress(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     command = _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens)
     logger.info("running %s", " ".join(command))
-    tail: deque[str] = deque(maxlen=PIP_TAIL_LINES)
-    # stdout is unused by the runner; stderr carries progress, passed through as it arrives.
-    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
+    # stdout is unused by the runner; stderr carries progress (tqdm redraws with "\r"), so it is
+    # passed through as raw bytes as it arrives, keeping only a tail for the error message.
+    with subprocess.Popen(command, stderr=subprocess.PIPE) as proc:
         assert proc.stderr is not None
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            tail.append(line.rstrip("\n"))
+        tail = _relay(proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"kvpress runner failed (exit {proc.returncode}):\n" + "\n".join(tail))
+        lines = tail.decode(errors="replace").replace("\r", "\n").splitlines()
+        raise RuntimeError(f"kvpress runner failed (exit {proc.returncode}):\n" + "\n".join(lines[-TAIL_LINES:]))
     return _read_rows(out_path)

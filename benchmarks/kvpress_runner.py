@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from kvpress import ChunkKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger("kvpress_runner")
 
@@ -176,6 +177,9 @@ def answer_question(model, cache, question, context_length, args, stop_ids, refe
     forced = reference["ids"] if reference else ids
     logprobs = teacher_forced_logprobs(model, cache, tail, forced, context_length)
     crop(cache, lengths)
+    if reference is None and logprobs.argmax(dim=-1).tolist() != ids:
+        # Incremental and teacher-forced passes should agree; a mismatch means near-ties or a bug.
+        logger.warning("question %s: teacher-forced argmax differs from the greedy answer", question["qid"])
     return {
         "ids": ids,
         "logprobs": logprobs,
@@ -268,6 +272,7 @@ def load_tasks(path: Path) -> list[dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    hf_logging.disable_progress_bar()  # the weight-loading bar would drown our own progress
     torch.manual_seed(0)
     tasks = load_tasks(args.tasks)
     model, tokenizer, stop_ids = load_model(args.model)
