@@ -179,6 +179,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2, help="contexts per task and length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvpress", action="store_true", help="also run kvpress's presses in their own venv")
+    parser.add_argument(
+        "--kvpress-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="lengths to run kvpress on (default: all); it prefills once per press and ratio",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 sample, 300 tokens, ratio 0.5")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -190,11 +197,13 @@ def main() -> None:
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
     rows = run_ours(engine, contexts, args.ratios)
+    write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
     if args.kvpress:
         from semanticache_rag.models import resolve_model
 
-        rows += run_kvpress(engine, contexts, args.ratios, resolve_model(args.model))
-    write_results(rows, args, started)
+        chosen = [c for c in contexts if args.kvpress_lengths is None or c.length in args.kvpress_lengths]
+        rows += run_kvpress(engine, chosen, args.ratios, resolve_model(args.model))
+        write_results(rows, args, started)
 
 
 def write_results(rows: list[dict], args, started: float) -> None:
