@@ -1,0 +1,164 @@
+"""What the LangChain and LlamaIndex adapters share; imports neither framework.
+
+The adapters stay thin: they translate messages and results, and everything they do with the
+model goes through one :class:`Runtime` (an :class:`~semanticache_rag.Engine` and a
+:class:`~semanticache_rag.prompt_cache.PromptCache`). Runtimes are built on first use and shared
+per process by their settings, so LangChain and LlamaIndex objects configured alike load the model
+once and see the same registered documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from semanticache_rag.errors import ConfigError
+
+T = TypeVar("T")
+
+GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """An engine and the prompt cache of the documents registered with it.
+
+    Attributes
+    ----------
+    engine : Engine
+    prompt_cache : PromptCache
+    """
+
+    engine: object
+    prompt_cache: object
+
+    @classmethod
+    def for_engine(cls, engine, prompt_cache=None) -> Runtime:
+        """Wrap an engine that is already loaded (``prompt_cache`` defaults to a new one)."""
+        from semanticache_rag.prompt_cache import PromptCache
+
+        return cls(engine, prompt_cache if prompt_cache is not None else PromptCache(engine))
+
+
+_RUNTIMES: dict[tuple, Runtime] = {}
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def shared_runtime(model: str | None, compression: str, compression_ratio: float | None) -> Runtime:
+    """The process-wide runtime for these settings, loading the model on first use.
+
+    Raises
+    ------
+    ConfigError
+        Unknown compression or a ratio outside the compressor's range.
+    ModelLoadError
+        The model cannot be loaded offline.
+    """
+    from semanticache_rag import Engine, make_compressor
+
+    key = (model, compression, compression_ratio)
+    with _RUNTIMES_LOCK:  # one load per settings, also when threads race for it
+        if key not in _RUNTIMES:
+            compressor = make_compressor(compression, compression_ratio)
+            _RUNTIMES[key] = Runtime.for_engine(Engine.from_pretrained(model, compressor=compressor))
+        return _RUNTIMES[key]
+
+
+def generation_options(defaults: dict, overrides: dict, stop: list[str] | None = None) -> dict:
+    """Per-call generation options: ``defaults`` updated by ``overrides``, stop strings merged.
+
+    Options that are None keep the default; stop strings of the call and the defaults both apply.
+
+    Raises
+    ------
+    ConfigError
+        An option the engine does not know (names the allowed ones).
+    """
+    unknown = sorted(set(overrides) - set(GENERATION_OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown generation option(s) {unknown}; use {list(GENERATION_OPTIONS)}")
+    options = {k: v for k, v in {**defaults, **overrides}.items() if v is not None and k != "stop"}
+    stops = [*(defaults.get("stop") or ()), *(overrides.get("stop") or ()), *(stop or ())]
+    if stops:
+        options["stop"] = tuple(dict.fromkeys(stops))
+    return options
+
+
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Run a blocking iterator in worker threads, one step at a time; the event loop stays free.
+
+    ``make_iterator`` is itself called in a thread, since starting a prompt-cache stream can
+    prefill a whole document. Stopping early leaves the iterator unfinished, as a sync loop would.
+    """
+    iterator = await asyncio.to_thread(lambda: iter(make_iterator()))
+    done = object()
+    while True:
+        item = await asyncio.to_thread(next, iterator, done)
+        if item is done:
+            return
+        yield item
+
+
+def usage_counts(answer) -> dict[str, int]:
+    """Token counts of an :class:`~semanticache_rag.Answer` in the OpenAI-style names."""
+    return {
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+        "cached_tokens": answer.cached_tokens,
+        "cache_creation_tokens": answer.cache_creation_tokens,
+    }
+
+
+# -- which pages an answer came from ----------------------------------------------------------
+
+_WORD = re.compile(r"\w(?:[\w.'-]*\w)?")
+_STOPWORDS = frozenset(
+    "the and for are was were with that this from what which who whom whose when where why how "
+    "does did has have had not but its into than then them they their there these those you your "
+    "can could should would will shall may might must about also only any all one".split()
+)
+
+
+def _words(text: str) -> set[str]:
+    """Lower-cased words of >= 3 characters (any length if they hold a digit), stopwords dropped."""
+    words = {w.lower() for w in _WORD.findall(text)}
+    return {w for w in words if (len(w) >= 3 or any(c.isdigit() for c in w)) and w not in _STOPWORDS}
+
+
+def _squash(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def rank_pages(page_texts: list[str], question: str, answer: str, limit: int) -> list[tuple[int, float]]:
+    """Pick the pages an answer most likely came from: ``(page index, score)``, best first.
+
+    The rule, deliberately simple: pages that contain the whole answer (case and whitespace
+    ignored, a trailing period dropped) score 1.0. Failing that, a page scores the fraction of
+    the distinct words of the question and the answer (>= 3 characters or holding a digit,
+    stopwords dropped) it contains; words of the answer count twice, since the question's words
+    also appear on pages that do not answer it. At most ``limit`` pages with a score above 0.
+    """
+    needle = _squash(answer).rstrip(".")
+    texts = [_squash(text) for text in page_texts]
+    if len(needle) >= 2:
+        hits = [(i, 1.0) for i, text in enumerate(texts) if needle in text]
+        if hits:
+            return hits[:limit]
+    answer_words, question_words = _words(answer), _words(question)
+    weights = {w: 1.0 for w in question_words} | {w: 2.0 for w in answer_words}
+    total = sum(weights.values())
+    if not total:
+        return []
+    scores = []
+    for i, text in enumerate(page_texts):
+        present = _words(text)
+        score = sum(weight for word, weight in weights.items() if word in present) / total
+        if score > 0:
+            scores.append((i, round(score, 4)))
+    scores.sort(key=lambda item: (-item[1], item[0]))
+    return scores[:limit]
