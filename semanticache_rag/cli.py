@@ -42,6 +42,8 @@ def _read(engine, path, args):
             f"({cache.compression_ratio:.0%} of entries removed)",
             file=sys.stderr,
         )
+    ratios = " ".join(f"{r:.2f}" for r in cache.layer_compression_ratios)
+    logger.info("compression ratio per layer: %s", ratios)
     return cache
 
 

@@ -37,6 +37,8 @@ from semanticache_rag.kernels.gsc_ref import (
 )
 from semanticache_rag.kv import LayerKV
 
+_MAX_WIDTH = 512  # longest chunk coarsening may build
+
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
@@ -108,27 +110,37 @@ class SemantiCacheCompressor(Compressor):
         num_tokens = context.token_ids.numel()
         target = num_tokens if self.tau is not None else self.target_entries(num_tokens)
         protected = context.protected.clone()
+        if target >= num_tokens:  # nothing to remove
+            return _Plan(ChunkLayout.from_chunk_ids(torch.arange(num_tokens)), protected, target)
         protected[: self.sink_tokens] = True
         protected[max(0, num_tokens - self.window_tokens) :] = True
-        if self.anchor_std is not None and context.surprisal is not None:
-            protected |= self._anchors(context.surprisal, protected, target)
-        if self.protect_digits:
-            protected |= digit_mask(context.token_ids, context.tokenizer)
+        if int(protected.sum()) >= target:
+            raise ConfigError(
+                f"the budget of {target} entries per head does not cover the {int(protected.sum())} template, "
+                "sink and window tokens; lower compression_ratio, sink_tokens or window_tokens"
+            )
+        protected |= self._anchors(context, protected, target)
         delimiters = delimiter_mask(context.token_ids, context.tokenizer)
         layout = self._layout(delimiters, protected, target)
         return _Plan(layout, protected, target)
 
-    def _anchors(self, surprisal: torch.Tensor, protected: torch.Tensor, target: int) -> torch.Tensor:
-        """Most surprising tokens above mean + k std, within ``anchor_share`` of the budget."""
-        scores = surprisal.masked_fill(protected, float("-inf"))
-        free = surprisal[~protected]
-        if free.numel() < 2:
-            return torch.zeros_like(protected)
-        threshold = free.mean() + self.anchor_std * free.std()
+    def _anchors(self, context: CompressionContext, protected: torch.Tensor, target: int) -> torch.Tensor:
+        """Digit tokens, then the most surprising tokens (> mean + k std), within ``anchor_share`` of the budget.
+
+        Kept to that share so that the rest of the budget is left to merging.
+        """
+        priority = torch.full(protected.shape, float("-inf"))
+        if self.anchor_std is not None and context.surprisal is not None:
+            free = context.surprisal[~protected]
+            threshold = free.mean() + self.anchor_std * free.std() if free.numel() > 1 else float("inf")
+            priority = torch.where(context.surprisal > threshold, context.surprisal, priority)
+        if self.protect_digits:  # numbers, dates, versions: facts a merged neighbour cannot restore
+            priority = torch.where(digit_mask(context.token_ids, context.tokenizer), float("inf"), priority)
+        priority = priority.masked_fill(protected, float("-inf"))
         room = max(0, int(self.anchor_share * target) - int(protected.sum()))
-        count = min(room, int((scores > threshold).sum()))
+        count = min(room, int(torch.isfinite(priority).sum() + (priority == float("inf")).sum()))
         anchors = torch.zeros_like(protected)
-        anchors[scores.topk(count).indices] = True
+        anchors[priority.topk(count).indices] = True
         return anchors
 
     def _layout(self, delimiters: torch.Tensor, protected: torch.Tensor, target: int) -> ChunkLayout:
@@ -137,13 +149,15 @@ class SemantiCacheCompressor(Compressor):
         while True:
             chunk_ids = semantic_chunks(delimiters, min_length, max_length)
             fewest = int(protected.sum()) + int(torch.unique(chunk_ids[~protected]).numel())
-            if fewest <= 0.9 * target or min_length >= protected.numel():
+            # Anchors take at most anchor_share of the budget, so this usually ends near min_length ~ N / target;
+            # the width cap bounds the greedy loop when template/sink/window tokens crowd the budget.
+            if fewest <= 0.9 * target or max_length >= _MAX_WIDTH:
                 return ChunkLayout.from_chunk_ids(chunk_ids)
-            min_length, max_length = 2 * min_length, max(max_length, 4 * min_length)
+            min_length, max_length = 2 * min_length, min(_MAX_WIDTH, max(max_length, 4 * min_length))
 
     def compress(self, keys, values, context, plan: _Plan) -> LayerKV:
         num_tokens = keys.shape[2]
-        if plan.target >= num_tokens and self.tau is None:
+        if plan.target >= num_tokens and self.tau is None:  # ratio 0 (or a budget of the whole document)
             return LayerKV(keys, values)
         similarity = chunk_similarity(keys[0], plan.layout)
         if self.value_similarity:
