@@ -41,19 +41,10 @@ def real_document(tokenizer, tokens: int) -> str:
 
 
 def stock_generate(engine: Engine, cache, question: str, max_new_tokens: int) -> tuple[float, str]:
-    """Seconds for a full-prompt ``model.generate`` answer (no reuse of any cache)."""
-    tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([cache.prefix_ids.tolist() + tail])
+    """Seconds for a full-prompt ``model.generate`` answer (no reuse of any cache), and the answer."""
     started = time.perf_counter()
-    with torch.inference_mode():
-        out = engine.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=engine.tokenizer.eos_token_id,
-        )
-    return time.perf_counter() - started, engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    text = engine.generate_uncached(cache, [Turn(question)], max_new_tokens)
+    return time.perf_counter() - started, text
 
 
 def timed_followups(engine: Engine, cache, args, stock_texts=None) -> dict:

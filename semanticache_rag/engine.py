@@ -260,6 +260,27 @@ class Engine:
                 surprisal[start + 1 : start + 1 + len(targets)] = -logp.gather(1, targets[:, None])[:, 0]
         return [layer.appended() for layer in kv.layers], surprisal if need_surprisal else None
 
+    def generate_uncached(self, cache: DocumentCache, turns, max_new_tokens: int = 256) -> str:
+        """Greedy answer from re-reading the whole prompt with ``model.generate`` (no cache reuse).
+
+        What a stock pipeline computes for every question; the reference our cached answers must
+        equal (with :class:`NoCompression`) and the baseline of the follow-up latency benchmark.
+        """
+        tail = self.tokenizer(self.prompt.tail(list(turns)), add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([cache.prefix_ids.tolist() + tail], device=self.device)
+        eos = self.tokenizer.eos_token_id
+        with self._lock, torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        text = self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        return text.rstrip("\ufffd").strip()  # as answers do: an incomplete last character is dropped
+
     def empty_cache(self) -> DocumentCache:
         """A cache of no tokens, for prompts that hold no known document."""
         config = self.model.config

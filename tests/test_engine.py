@@ -13,18 +13,7 @@ from semanticache_rag.prompts import Turn
 
 def generate_reference(engine, cache, turns, max_new_tokens):
     """What a stock pipeline computes: the whole prompt through ``model.generate``, no cache reuse."""
-    tail = engine.tokenizer(engine.prompt.tail(turns), add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([cache.prefix_ids.tolist() + tail])
-    with torch.inference_mode():
-        out = engine.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=engine.tokenizer.eos_token_id,
-            pad_token_id=0,
-        )
-    return engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return engine.generate_uncached(cache, turns, max_new_tokens)
 
 
 def test_answer_equals_full_prompt_generate(tiny_engine, document_text):
