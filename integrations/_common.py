@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pydantic import BaseModel, Field, PrivateAttr
+
 from semanticache_rag.errors import ConfigError
 
 T = TypeVar("T")
@@ -66,6 +68,70 @@ def shared_runtime(model: str | None, compression: str, compression_ratio: float
             compressor = make_compressor(compression, compression_ratio)
             _RUNTIMES[key] = Runtime.for_engine(Engine.from_pretrained(model, compressor=compressor))
         return _RUNTIMES[key]
+
+
+class EngineSettings(BaseModel):
+    """Pydantic fields and lazy engine access that every adapter has (mixed into its base class).
+
+    Construction only validates fields; the model loads on first use of :attr:`runtime`
+    (or at once with :meth:`from_pretrained`), or comes ready-made with :meth:`from_engine`.
+    """
+
+    model: str | None = Field(
+        default=None, description="transformers causal-LM id or local directory; None: SmolLM2-135M-Instruct."
+    )
+    compression: str = Field(default="none", description="Compressor of document caches: none, semanticache, ...")
+    compression_ratio: float | None = Field(
+        default=None, description="Fraction of KV entries the compressor removes; None: its default."
+    )
+    max_new_tokens: int = Field(default=256, ge=1, description="Most tokens per answer.")
+    temperature: float = Field(default=0.0, ge=0, description="0 decodes greedily; > 0 samples.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass, when sampling.")
+    seed: int | None = Field(default=None, description="Seed for sampling, for reproducible samples.")
+
+    _runtime: Runtime | None = PrivateAttr(default=None)
+
+    @classmethod
+    def from_engine(cls, engine, *, prompt_cache=None, **fields):
+        """Wrap an already loaded :class:`~semanticache_rag.Engine` (and optionally its prompt cache).
+
+        Pass ``prompt_cache=other.prompt_cache`` to share registered documents with another adapter.
+        """
+        fields.setdefault("model", engine.model_name)
+        fields.setdefault("compression", engine.compressor.name)
+        fields.setdefault("compression_ratio", engine.compressor.compression_ratio)
+        adapter = cls(**fields)
+        adapter._runtime = Runtime.for_engine(engine, prompt_cache)
+        return adapter
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **fields):
+        """Build the adapter and load its model now, instead of on first use."""
+        adapter = cls(model=model, **fields)
+        adapter.runtime  # noqa: B018 - load eagerly
+        return adapter
+
+    @property
+    def runtime(self) -> Runtime:
+        """Engine and prompt cache; loaded on first use, shared by adapters with equal settings."""
+        if self._runtime is None:
+            self._runtime = shared_runtime(self.model, self.compression, self.compression_ratio)
+        return self._runtime
+
+    @property
+    def engine(self):
+        """The :class:`~semanticache_rag.Engine` (loads the model on first use)."""
+        return self.runtime.engine
+
+    @property
+    def prompt_cache(self):
+        """The :class:`~semanticache_rag.prompt_cache.PromptCache` of registered documents."""
+        return self.runtime.prompt_cache
+
+    def default_options(self) -> dict:
+        """The generation options these fields set (``stop`` too, where the adapter has one)."""
+        names = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+        return {name: getattr(self, name) for name in names if hasattr(self, name)}
 
 
 def generation_options(defaults: dict, overrides: dict, stop: list[str] | None = None) -> dict:

@@ -44,8 +44,8 @@ except ImportError as exc:  # pragma: no cover - exercised by the import-hint te
     raise ImportError(
         'semanticache_rag.integrations.langchain needs langchain-core: pip install "semanticache-rag[langchain]"'
     ) from exc
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
-from semanticache_rag.integrations._common import Runtime, generation_options, iterate_in_thread, shared_runtime
+from pydantic import ConfigDict, Field, model_validator
+from semanticache_rag.integrations._common import EngineSettings, generation_options, iterate_in_thread
 
 from semanticache_rag.documents import read_pdf
 from semanticache_rag.errors import ConfigError
@@ -59,26 +59,14 @@ _SKIPPED_BLOCKS = frozenset({"thinking", "reasoning"})  # a model's hidden reaso
 _CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
 
 
-class _SemantiCacheModel(BaseModel):
-    """Fields and engine access shared by :class:`ChatSemantiCache` and :class:`SemantiCacheLLM`."""
+class _SemantiCacheModel(EngineSettings):
+    """What :class:`ChatSemantiCache` and :class:`SemantiCacheLLM` add to the shared fields."""
 
-    model: str | None = Field(
-        default=None, description="transformers causal-LM id or local directory; None: SmolLM2-135M-Instruct."
-    )
-    compression: str = Field(default="none", description="Compressor of document caches: none, semanticache, ...")
-    compression_ratio: float | None = Field(
-        default=None, description="Fraction of KV entries the compressor removes; None: its default."
-    )
     max_new_tokens: int = Field(
         default=256, ge=1, alias="max_tokens", description="Most tokens per answer (alias: max_tokens)."
     )
-    temperature: float = Field(default=0.0, ge=0, description="0 decodes greedily; > 0 samples.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass, when sampling.")
-    seed: int | None = Field(default=None, description="Seed for sampling, for reproducible samples.")
     stop: list[str] | None = Field(default=None, description="Strings that end every answer (not included).")
     streaming: bool = Field(default=False, description="Whether invoke() streams internally (token callbacks).")
-
-    _runtime: Runtime | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -86,43 +74,6 @@ class _SemantiCacheModel(BaseModel):
         if isinstance(values, dict) and "max_tokens" in values and "max_new_tokens" in values:
             raise ValueError("pass max_new_tokens or its alias max_tokens, not both")
         return values
-
-    @classmethod
-    def from_engine(cls, engine, *, prompt_cache=None, **fields):
-        """Wrap an already loaded :class:`~semanticache_rag.Engine` (and optionally its prompt cache).
-
-        Pass ``prompt_cache=other.prompt_cache`` to share registered documents with another adapter.
-        """
-        fields.setdefault("model", engine.model_name)
-        fields.setdefault("compression", engine.compressor.name)
-        fields.setdefault("compression_ratio", engine.compressor.compression_ratio)
-        adapter = cls(**fields)
-        adapter._runtime = Runtime.for_engine(engine, prompt_cache)
-        return adapter
-
-    @classmethod
-    def from_pretrained(cls, model: str | None = None, **fields):
-        """Build the adapter and load its model now, instead of on first use."""
-        adapter = cls(model=model, **fields)
-        adapter.runtime  # noqa: B018 - load eagerly
-        return adapter
-
-    @property
-    def runtime(self) -> Runtime:
-        """Engine and prompt cache; loaded on first use, shared by adapters with equal settings."""
-        if self._runtime is None:
-            self._runtime = shared_runtime(self.model, self.compression, self.compression_ratio)
-        return self._runtime
-
-    @property
-    def engine(self):
-        """The :class:`~semanticache_rag.Engine` (loads the model on first use)."""
-        return self.runtime.engine
-
-    @property
-    def prompt_cache(self):
-        """The :class:`~semanticache_rag.prompt_cache.PromptCache` of registered documents."""
-        return self.runtime.prompt_cache
 
     def register_document(self, source, doc_id: str | None = None) -> str:
         """Register a document so prompts that contain it are served from its cache; return its id.
@@ -137,7 +88,9 @@ class _SemantiCacheModel(BaseModel):
         return self.prompt_cache.register(source, doc_id)
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the model's own tokenizer (no special tokens)."""
+        """Token ids of ``text`` with the model's own tokenizer (no special tokens), or ``custom_get_token_ids``."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
         return self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def get_num_tokens(self, text: str) -> int:
@@ -149,12 +102,8 @@ class _SemantiCacheModel(BaseModel):
             "model": self.model or DEFAULT_MODEL,
             "compression": self.compression,
             "compression_ratio": self.compression_ratio,
-            **self._default_options(),
+            **self.default_options(),
         }
-
-    def _default_options(self) -> dict[str, Any]:
-        names = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
-        return {name: getattr(self, name) for name in names}
 
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Generation options of one call; LangChain's ``max_tokens`` and ``model`` are understood."""
@@ -167,7 +116,7 @@ class _SemantiCacheModel(BaseModel):
                 f"this adapter serves {self.engine.model_name!r}; a per-call model={model!r} is not supported: "
                 f"create another adapter with model={model!r}"
             )
-        return generation_options(self._default_options(), kwargs, stop)
+        return generation_options(self.default_options(), kwargs, stop)
 
     def _ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> LangSmithParams:
         return LangSmithParams(
