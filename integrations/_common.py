@@ -14,7 +14,7 @@ import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from pydantic import BaseModel, Field, PrivateAttr
 
@@ -61,7 +61,10 @@ def shared_runtime(model: str | None, compression: str, compression_ratio: float
         The model cannot be loaded offline.
     """
     from semanticache_rag import Engine, make_compressor
+    from semanticache_rag.models import DEFAULT_MODEL
 
+    if model is not None and model.lower() in {DEFAULT_MODEL.lower(), "default"}:
+        model = None  # the names Engine.from_pretrained treats as the default model: one load
     key = (model, compression, compression_ratio)
     with _RUNTIMES_LOCK:  # one load per settings, also when threads race for it
         if key not in _RUNTIMES:
@@ -166,7 +169,7 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIt
         item = await asyncio.to_thread(next, iterator, done)
         if item is done:
             return
-        yield item
+        yield cast(T, item)
 
 
 def usage_counts(answer) -> dict[str, int]:

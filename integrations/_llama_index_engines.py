@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
@@ -153,7 +153,7 @@ class DocumentChatEngine(BaseChatEngine):
         yield from self.conversation.stream(message)
         answer = self.conversation.last_answer
         response.source_nodes.extend(self.query_engine.source_nodes(message, answer.answer))
-        response.metadata = answer.to_dict()
+        response.metadata = answer.to_dict()  # type: ignore[attr-defined]  # not a field; documented
 
     def chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> AgentChatResponse:
         self._use_history(chat_history)
@@ -162,7 +162,11 @@ class DocumentChatEngine(BaseChatEngine):
         return AgentChatResponse(response=answer.answer, source_nodes=nodes, metadata=answer.to_dict())
 
     def stream_chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> StreamingAgentChatResponse:
-        """Stream the answer: iterate ``response_gen``; source nodes and metadata are set at its end."""
+        """Stream the answer: iterate ``response_gen``.
+
+        When it ends, ``source_nodes`` are filled and ``metadata`` (an attribute this engine adds;
+        ``StreamingAgentChatResponse`` has no such field) holds the :class:`~semanticache_rag.Answer` fields.
+        """
         self._use_history(chat_history)
         response = StreamingAgentChatResponse(is_writing_to_memory=False)
         response.chat_stream = (_delta(piece) for piece in self._pieces(message, response))
@@ -178,7 +182,7 @@ class DocumentChatEngine(BaseChatEngine):
         await asyncio.to_thread(self._use_history, chat_history)
         response = StreamingAgentChatResponse(is_writing_to_memory=False)
 
-        async def deltas() -> AsyncIterator[ChatResponse]:
+        async def deltas() -> AsyncGenerator[ChatResponse, None]:
             async for piece in iterate_in_thread(lambda: self._pieces(message, response)):
                 yield _delta(piece)
 

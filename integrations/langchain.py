@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 try:
     from langchain_core.callbacks import (
@@ -53,7 +53,7 @@ from semanticache_rag.models import DEFAULT_MODEL
 
 __all__ = ["ChatSemantiCache", "SemantiCacheLLM", "SemantiCachePDFLoader"]
 
-_ROLES = {"system": "system", "human": "user", "ai": "assistant", "chat": None}
+_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
 _SKIPPED_BLOCKS = frozenset({"thinking", "reasoning"})  # a model's hidden reasoning is not content
 # Set on each concrete class: LangChain's Serializable base sets extra="ignore", and the last base wins.
 _CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
@@ -118,7 +118,9 @@ class _SemantiCacheModel(EngineSettings):
             )
         return generation_options(self.default_options(), kwargs, stop)
 
-    def _ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> LangSmithParams:
+    def _ls_params(
+        self, stop: list[str] | None, kwargs: dict[str, Any], model_type: Literal["chat", "llm"]
+    ) -> LangSmithParams:
         return LangSmithParams(
             ls_provider="semanticache",
             ls_model_name=kwargs.get("model") or self.model or DEFAULT_MODEL,
@@ -174,7 +176,7 @@ def to_role_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """
     converted = []
     for message in messages:
-        if message.type not in _ROLES:
+        if message.type not in _ROLES and not isinstance(message, ChatMessage):
             raise ValueError(f"{type(message).__name__} is not supported; use system, human and AI messages")
         role = message.role if isinstance(message, ChatMessage) else _ROLES[message.type]
         converted.append({"role": role, "content": _text(message)})

@@ -38,6 +38,7 @@ try:
         MessageRole,
         TextBlock,
     )
+    from llama_index.core.bridge.pydantic import ConfigDict
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.readers.base import BaseReader
@@ -104,6 +105,8 @@ class SemantiCacheLlamaLLM(EngineSettings, CustomLLM):
     first use; LLMs with equal settings (LangChain adapters included) share one engine.
     """
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt option raises instead of being ignored
+
     @classmethod
     def class_name(cls) -> str:
         return "SemantiCacheLlamaLLM"
@@ -125,6 +128,8 @@ class SemantiCacheLlamaLLM(EngineSettings, CustomLLM):
         documents/nodes (e.g. :class:`SemantiCachePDFReader`'s pages), whose texts are joined with
         ``"\\n\\n"``.
         """
+        if isinstance(source, BaseNode):
+            source = [source]
         if isinstance(source, Sequence) and not isinstance(source, str):
             source = [page.get_content() if isinstance(page, BaseNode) else page for page in source]
         return self.prompt_cache.register(source, doc_id)
@@ -135,7 +140,7 @@ class SemantiCacheLlamaLLM(EngineSettings, CustomLLM):
         return generation_options(self.default_options(), kwargs)
 
     def _prompt_messages(self, prompt: str, formatted: bool) -> list[dict[str, str]]:
-        if not formatted:
+        if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
@@ -144,7 +149,7 @@ class SemantiCacheLlamaLLM(EngineSettings, CustomLLM):
         answer = self.prompt_cache.ask(messages, **self._options(kwargs))
         return CompletionResponse(text=answer.answer, raw=_raw(answer), additional_kwargs=usage_counts(answer))
 
-    def _completions(self, messages: list[dict[str, str]], kwargs: dict) -> Iterator[CompletionResponse]:
+    def _completions(self, messages: list[dict[str, str]], kwargs: dict) -> CompletionResponseGen:
         """Responses with growing text, then one with an empty delta and the usage."""
         stream = self.prompt_cache.stream(messages, **self._options(kwargs))
         text = ""

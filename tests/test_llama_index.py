@@ -54,9 +54,11 @@ def pages() -> list[LIDocument]:
     return [LIDocument(text=text[i : i + 700].strip(), metadata={"page_label": str(i // 700 + 1)}) for i in (0, 700)]
 
 
-def test_construction_is_lazy():
+def test_construction_is_lazy_and_validated():
     llm = SemantiCacheLlamaLLM(model="never-loaded", max_new_tokens=4)
     assert llm._runtime is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        SemantiCacheLlamaLLM(max_tokens=4)
 
 
 def test_metadata_describes_the_loaded_model(llm):

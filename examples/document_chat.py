@@ -1,0 +1,41 @@
+"""Multi-turn chat over the bundled PDF with the Python API, from a SemantiCache-compressed cache.
+
+The document is read once and its KV cache compressed (half of the entries merged into semantic
+cores); every turn then computes only its own tokens and reuses the earlier turns' tokens too.
+
+Run (offline, default model): ``python examples/document_chat.py``
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from semanticache_rag import Engine, SemantiCacheCompressor
+
+TURNS = [
+    "What is the latest version of the LH fonts?",
+    "Which RFC specifies koi8-r?",
+    "Repeat the version number from your first answer.",
+]
+
+
+def main() -> None:
+    engine = Engine.from_pretrained(compressor=SemantiCacheCompressor(compression_ratio=0.5))
+    with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
+        cache = engine.read(pdf)
+    print(
+        f"Read {cache.document.name}: {cache.length:,} tokens in {cache.prefill_s:.1f} s; "
+        f"cache {cache.nbytes / 2**20:.1f} MiB ({cache.compression_ratio:.0%} of entries merged)\n"
+    )
+    chat = engine.conversation(cache, max_new_tokens=48)
+    for question in TURNS:
+        answer = chat.ask(question)
+        print(f"Q: {question}\nA: {answer.answer}")
+        print(
+            f"   {answer.cached_tokens:,} of {answer.prompt_tokens:,} prompt tokens reused, "
+            f"{answer.prompt_tokens - answer.cached_tokens} computed; first token after {answer.prefill_s:.2f} s\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
