@@ -39,8 +39,17 @@ def test_tasks_are_reproducible_and_hold_their_needles(count_words):
 def test_quick_run_writes_results(tiny_model_dir, tmp_path, monkeypatch):
     from benchmarks import ruler
 
-    argv = ["ruler", "--quick", "--model", str(tiny_model_dir), "--tasks", "niah_single_1", "qa_1",
-            "--out", str(tmp_path)]
+    argv = [
+        "ruler",
+        "--quick",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "niah_single_1",
+        "qa_1",
+        "--out",
+        str(tmp_path),
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     ruler.main()
     rows = [json.loads(line) for line in (tmp_path / "ruler.jsonl").read_text().splitlines()]
