@@ -28,6 +28,21 @@ _ANCHOR = 80  # characters matched at each end of a document
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
+def _anchor_pairs(raw_pages: list[str], normalised: str) -> list[tuple[str, str]]:
+    """(head, tail) strings that mark a document's ends in a prompt, most specific first.
+
+    Pipelines paste the pages as *they* hold them (ligatures, CRLF) with their own text between
+    pages (node metadata), so the first pair comes from the raw text of the first and last pages
+    long enough to carry an anchor; the second from the normalised document text.
+    """
+    long_pages = [p.strip() for p in raw_pages if len(p.strip()) >= _ANCHOR] or ["\n\n".join(raw_pages).strip()]
+    pairs = [
+        (long_pages[0][:_ANCHOR], long_pages[-1][-_ANCHOR:]),
+        (normalised.strip()[:_ANCHOR], normalised.strip()[-_ANCHOR:]),
+    ]
+    return list(dict.fromkeys(pair for pair in pairs if all(pair)))
+
+
 class AnswerStream:
     """Iterate for text pieces; :attr:`answer` is the :class:`Answer` once iteration ends."""
 
@@ -65,20 +80,22 @@ class PromptCache:
             raise ConfigError(f"max_prefixes must be >= 1, got {max_prefixes!r}")
         self.engine, self.max_prefixes = engine, max_prefixes
         self.documents: dict[str, Document] = {}
+        self._anchors: dict[str, list[tuple[str, str]]] = {}
         self._caches: OrderedDict[str, tuple] = OrderedDict()
         self._lock = threading.Lock()
         self._empty = None
 
     def register(self, source, doc_id: str | None = None) -> str:
         """Register a document (path, text, :class:`Document` or page texts); return its id."""
-        if isinstance(source, Sequence) and not isinstance(source, str):
-            source = document_from_text("\n\n".join(str(page) for page in source))
-        document = load_document(source)
+        pages = [str(p) for p in source] if isinstance(source, Sequence) and not isinstance(source, str) else None
+        document = load_document(document_from_text("\n\n".join(pages)) if pages is not None else source)
         doc_id = doc_id or document.sha256[:16]
         if not _ID.match(doc_id):
             raise ConfigError(f"document id {doc_id!r} may only hold letters, digits, '_', '-', '.' (1-128)")
+        raw = pages if pages is not None else [source if isinstance(source, str) and "\n" in source else document.text]
         with self._lock:
             self.documents[doc_id] = document
+            self._anchors[doc_id] = _anchor_pairs(raw, document.text)
         return doc_id
 
     def render(self, messages) -> str:
@@ -93,12 +110,13 @@ class PromptCache:
     def locate(self, text: str) -> tuple[str, int, int] | None:
         """(document id, start, end) of the registered document found furthest into ``text``."""
         best = None
-        for doc_id, document in list(self.documents.items()):
-            body = document.text.strip()
-            head, tail = body[:_ANCHOR], body[-_ANCHOR:]
-            start, end = text.find(head), text.rfind(tail)
-            if start >= 0 and end >= start and (best is None or end + len(tail) > best[2]):
-                best = (doc_id, start, end + len(tail))
+        for doc_id, pairs in list(self._anchors.items()):
+            for head, tail in pairs:
+                start, end = text.find(head), text.rfind(tail)
+                if start >= 0 and end >= start:
+                    if best is None or end + len(tail) > best[2]:
+                        best = (doc_id, start, end + len(tail))
+                    break
         return best
 
     def stream(self, messages, **options) -> AnswerStream:

@@ -285,11 +285,6 @@ def test_registering_loader_pages_equals_registering_the_pdf(chat):
         assert chat.register_document(SemantiCachePDFLoader(path).load()) == chat.register_document(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: PromptCache.register NFKC-normalises the text (ligature fi -> fi, CRLF -> LF) but locate "
-    "matches it against the raw prompt, so other loaders' pages with such characters near the ends are not found",
-)
 def test_pages_with_compatibility_characters_are_found(chat):
     docs = [
         LCDocument(page_content="The \ufb01rst page reports the \ufb01nancial results of the year in some detail."),
