@@ -140,6 +140,11 @@ def run_kvpress(engine: Engine, contexts, ratios, model_dir: str) -> list[dict]:
                 + "\n"
             )
     raw = run(tasks_path, model_dir, ("none",) + KVPRESS_PRESSES, ratios, RESULTS / "ruler_kvpress_raw.tmp")
+    return kvpress_rows(raw, by_qid)
+
+
+def kvpress_rows(raw: list[dict], by_qid: dict) -> list[dict]:
+    """Score kvpress runner rows like ours (the same string match on the same questions)."""
     rows = []
     for r in raw:
         if r["method"] == "kvpress:none":
@@ -188,6 +193,12 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 sample, 300 tokens, ratio 0.5")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--kvpress-raw",
+        type=Path,
+        default=None,
+        help="add the rows of a kvpress runner output (e.g. an interrupted run) to OUT/ruler.jsonl",
+    )
     args = parser.parse_args()
     if args.quick:
         args.samples, args.lengths, args.ratios = 1, [300], [0.5]
@@ -196,6 +207,12 @@ def main() -> None:
     engine = Engine.from_pretrained(args.model)
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
+    if args.kvpress_raw:
+        ours = [json.loads(line) for line in open(args.out / "ruler.jsonl") if '"kvpress:' not in line]
+        raw = [json.loads(line) for line in open(args.kvpress_raw)]
+        by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
+        write_results(ours + kvpress_rows(raw, by_qid), args, started)
+        return
     rows = run_ours(engine, contexts, args.ratios)
     write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
     if args.kvpress:
