@@ -98,3 +98,11 @@ def tiny_engine(tiny_model, tiny_tokenizer):
 @pytest.fixture()
 def document_text() -> str:
     return corpus_text()[:3000]
+
+
+@pytest.fixture()
+def tiny_llama_engine(tiny_llama, tiny_tokenizer):
+    """An engine on the tiny Llama only (framework adapter tests)."""
+    from semanticache_rag import Engine
+
+    return Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=64)

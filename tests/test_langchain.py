@@ -28,7 +28,7 @@ from semanticache_rag.integrations.langchain import (  # noqa: E402
     to_role_dicts,
 )
 
-from semanticache_rag import ConfigError, Engine, ModelLoadError  # noqa: E402
+from semanticache_rag import ConfigError, ModelLoadError  # noqa: E402
 from semanticache_rag.documents import read_pdf  # noqa: E402
 
 DEMO_PDF = resources.files("semanticache_rag") / "data" / "cyrguide.pdf"
@@ -38,8 +38,8 @@ STUFF_PROMPT = ChatPromptTemplate.from_messages(
 
 
 @pytest.fixture()
-def engine(tiny_llama, tiny_tokenizer):
-    return Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+def engine(tiny_llama_engine):
+    return tiny_llama_engine
 
 
 @pytest.fixture()

@@ -29,7 +29,7 @@ from semanticache_rag.integrations.llama_index import (  # noqa: E402
     to_role_dicts,
 )
 
-from semanticache_rag import ConfigError, Engine  # noqa: E402
+from semanticache_rag import ConfigError  # noqa: E402
 from semanticache_rag.documents import read_pdf  # noqa: E402
 
 DEMO_PDF = resources.files("semanticache_rag") / "data" / "cyrguide.pdf"
@@ -40,8 +40,8 @@ needs_default_model = pytest.mark.skipif(
 
 
 @pytest.fixture()
-def engine(tiny_llama, tiny_tokenizer):
-    return Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+def engine(tiny_llama_engine):
+    return tiny_llama_engine
 
 
 @pytest.fixture()
