@@ -31,6 +31,9 @@ def semanticache_attention(module, query, key, value, attention_mask, scaling=No
     if state is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     document = state.layers[module.layer_idx].document
+    observe = getattr(state, "observe", None)
+    if observe is not None and document is not None:  # e.g. SeKV scoring spans against a question
+        observe(module.layer_idx, query, document, scaling)
     if document is None:
         out = proportional_attention(query, key, value, scaling=scaling)
     else:

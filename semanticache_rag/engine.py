@@ -40,6 +40,9 @@ class DocumentCache:
         What produced the cache.
     prefill_s, compress_s : float
         Seconds spent reading and compressing.
+    zoom : object or None
+        Host-side state of compressors that re-expand parts of the document per question
+        (:class:`~semanticache_rag.compressors.sekv.SpanIndex`); ``None`` for the others.
     """
 
     document: Document
@@ -50,6 +53,7 @@ class DocumentCache:
     compressor: str
     prefill_s: float
     compress_s: float
+    zoom: object | None = None
 
     @property
     def length(self) -> int:

@@ -125,6 +125,9 @@ class ConversationKV(Cache):
             num_layers = len(document_layers)
         docs = list(document_layers) if document_layers is not None else [None] * num_layers
         super().__init__(layers=[_AppendLayer(d, capacity) for d in docs])
+        # Called by the attention function as observe(layer_idx, query, document_layer, scaling)
+        # when set: lets a compressor score document entries against a question's queries.
+        self.observe = None
 
     @property
     def appended_length(self) -> int:
