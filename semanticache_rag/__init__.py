@@ -13,6 +13,7 @@ from semanticache_rag.documents import Document, Page, load_document
 from semanticache_rag.engine import DocumentCache, Engine
 from semanticache_rag.errors import ConfigError, ContextLengthError, DocumentError, ModelLoadError, SemantiCacheError
 from semanticache_rag.generation import GenerationOptions
+from semanticache_rag.store import DocumentStore
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "Document",
     "DocumentCache",
     "DocumentError",
+    "DocumentStore",
     "Engine",
     "GenerationOptions",
     "ModelLoadError",

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +17,9 @@ from semanticache_rag.documents import Document, load_document
 from semanticache_rag.errors import ConfigError, ContextLengthError
 from semanticache_rag.kv import ConversationKV, LayerKV
 from semanticache_rag.prompts import DEFAULT_SYSTEM_PROMPT, PromptFormat
+
+if TYPE_CHECKING:
+    from semanticache_rag.store import DocumentStore
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +116,9 @@ class Engine:
         Tokens per forward pass while reading a document (bounds peak memory).
     answer_reserve : int
         Tokens of context kept free for a question and its answer when reading.
+    store : DocumentStore or None
+        Where :meth:`read` keeps document caches and finds those read before (in memory and on
+        disk, shared between processes); ``None`` (the default) reads every document afresh.
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class Engine:
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         prefill_chunk: int = 512,
         answer_reserve: int = 256,
+        store: DocumentStore | None = None,
     ):
         if prefill_chunk < 1 or answer_reserve < 0:
             raise ConfigError(
@@ -134,6 +142,7 @@ class Engine:
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
         self.prompt = PromptFormat(tokenizer, system_prompt)
         self.prefill_chunk, self.answer_reserve = prefill_chunk, answer_reserve
+        self.store = store
         self._lock = threading.Lock()
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -148,7 +157,10 @@ class Engine:
         dtype=None,
         **kwargs,
     ) -> Engine:
-        """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it."""
+        """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it.
+
+        ``kwargs`` are the constructor's (``store=DocumentStore()`` keeps document caches on disk).
+        """
         from semanticache_rag.models import load_model
 
         hf_model, tokenizer, name = load_model(model, device=device, dtype=dtype)
@@ -190,6 +202,9 @@ class Engine:
     def read(self, source, *, progress: bool = True) -> DocumentCache:
         """Read a document (path, text or :class:`Document`) once and return its cache.
 
+        With a :attr:`store`, a document read before by the same model and compressor is loaded
+        from it instead (same tensors, so the same answers), and a new one is stored.
+
         Raises
         ------
         DocumentError
@@ -198,7 +213,10 @@ class Engine:
             The document and room for an answer exceed the model's context (checked before
             any model work).
         """
-        return self.compress(self.prefill(source, progress=progress))
+        if self.store is None:
+            return self.compress(self.prefill(source, progress=progress))
+        document = load_document(source)
+        return self.store.fetch(self, document, lambda: self.compress(self.prefill(document, progress=progress)))
 
     def prefill(self, source, *, progress: bool = True, surprisal: bool | None = None) -> Prefill:
         """Read a document into its full, uncompressed KV (the expensive step of :meth:`read`).

@@ -25,3 +25,7 @@ class ModelLoadError(SemantiCacheError):
 
 class ConfigError(SemantiCacheError, ValueError):
     """A configuration value is outside its allowed range."""
+
+
+class StoreError(SemantiCacheError):
+    """A document cache store entry cannot be found, read or removed (see ``semanticache-rag cache list``)."""

@@ -21,6 +21,12 @@ def corpus_text() -> str:
     return " ".join(f"Section {i}. The licensee may copy, modify and distribute the work." for i in range(400))
 
 
+@pytest.fixture(autouse=True)
+def _private_document_store(tmp_path_factory, monkeypatch):
+    """Command-line runs keep document caches in a fresh folder, never in the user's store."""
+    monkeypatch.setenv("SEMANTICACHE_STORE_DIR", str(tmp_path_factory.mktemp("document-store")))
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

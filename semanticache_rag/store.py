@@ -1,0 +1,429 @@
+"""Document cache store: compressed document caches kept in memory and on disk, shared safely.
+
+Reading a document is the expensive step; a :class:`DocumentStore` keeps what an engine read,
+so that ``engine.read(path)`` on a document read before (by this process or another) loads the
+compressed cache instead of reading the document again.
+
+- **Keys.** An entry is found by its :class:`~semanticache_rag.store_format.CacheKey` (document
+  content and page map, model identity, compressor configuration, format and package version);
+  its id, the key's SHA-256, is the only thing that names files. Ids that users type are checked
+  to be hex before they come near a path.
+- **Tiers.** Memory: an LRU of caches within ``memory_budget_bytes``. Disk: every entry, least
+  recently used evicted first once ``disk_budget_bytes`` is exceeded.
+- **Safety.** Tensors in safetensors and a JSON manifest (never pickle); temporary file + rename
+  for every write, manifest last; a SHA-256 of the tensor file in the manifest. A corrupt,
+  truncated or mismatched entry is logged once, deleted (or, where it cannot be, ignored) and the
+  document is read again. A per-entry file lock makes two processes that read the same new
+  document compute it once: the second waits, then loads the first one's entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from filelock import FileLock
+from safetensors.torch import save as save_tensors
+
+from semanticache_rag.documents import Document
+from semanticache_rag.engine import DocumentCache
+from semanticache_rag.errors import ConfigError, StoreError
+from semanticache_rag.models import home_dir
+from semanticache_rag.store_format import (
+    LOAD_ERRORS,
+    TMP_PREFIX,
+    CacheKey,
+    EntryRejected,
+    atomic_write,
+    build_manifest,
+    cache_tensors,
+    check_manifest,
+    load_cache,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheKey", "DocumentStore", "StoreStats", "StoredEntry", "default_directory", "parse_bytes"]
+
+DEFAULT_MEMORY_BUDGET = 2 * 2**30  # ~7 full caches of a 6K-token document on the default model
+DEFAULT_DISK_BUDGET = 10 * 2**30
+LEFTOVER_AGE_S = 3600  # temporary and orphaned files older than this are left by a crash
+LOCK_TIMEOUT_S = 1800.0  # then read the document without the lock rather than wait forever
+_ID = re.compile(r"[0-9a-f]{64}")
+_ID_PREFIX = re.compile(r"[0-9a-f]{4,64}")
+
+
+def default_directory() -> Path:
+    """``$SEMANTICACHE_STORE_DIR``, else ``caches`` under :func:`~semanticache_rag.models.home_dir`."""
+    override = os.environ.get("SEMANTICACHE_STORE_DIR")
+    return Path(override).expanduser() if override else home_dir() / "caches"
+
+
+def parse_bytes(text: str) -> int:
+    """``"2G"``, ``"512MiB"``, ``"1.5GB"`` or ``"1000"`` as bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    if not match:
+        raise ConfigError(f"cannot read {text!r} as a size; use bytes or a number with K, M, G or T (e.g. 2G)")
+    return int(float(match[1]) * 1024 ** " kmgt".index(match[2] or " "))
+
+
+def _held_nbytes(cache: DocumentCache) -> int:
+    """Memory a cache holds: its tensors plus host-side zoom state (SeKV), where there is any."""
+    return cache.nbytes + getattr(cache, "host_nbytes", 0)
+
+
+def _budget(value: int | str | None, variable: str, default: int) -> int:
+    if value is None:
+        value = os.environ.get(variable) or default
+    budget = parse_bytes(value) if isinstance(value, str) else int(value)
+    if budget < 0:
+        raise ConfigError(f"{variable.removeprefix('SEMANTICACHE_').lower()} must be >= 0 bytes, got {budget}")
+    return budget
+
+
+@dataclass
+class StoreStats:
+    """What a store did in this process (for logs, the CLI and tests)."""
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+    misses: int = 0
+    rejected: int = 0
+    writes: int = 0
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """One entry on disk: its manifest (``None`` when unreadable), bytes on disk, last use (epoch s)."""
+
+    id: str
+    manifest: dict | None
+    disk_bytes: int
+    last_used: float
+
+
+class DocumentStore:
+    """Compressed document caches in memory (LRU) and on disk, keyed by :class:`CacheKey`.
+
+    Parameters
+    ----------
+    directory : path, optional
+        Where entries live; :func:`default_directory` by default. Created on the first write.
+    memory_budget_bytes, disk_budget_bytes : int or str, optional
+        Byte budgets (``"2G"`` style strings accepted); default ``$SEMANTICACHE_MEMORY_BUDGET`` /
+        ``$SEMANTICACHE_DISK_BUDGET``, else 2 GiB and 10 GiB. 0 keeps nothing in that tier.
+    lock_timeout_s : float
+        How long to wait for another process reading the same document.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        memory_budget_bytes: int | str | None = None,
+        disk_budget_bytes: int | str | None = None,
+        lock_timeout_s: float = LOCK_TIMEOUT_S,
+    ):
+        self.directory = Path(directory).expanduser() if directory is not None else default_directory()
+        self.memory_budget_bytes = _budget(memory_budget_bytes, "SEMANTICACHE_MEMORY_BUDGET", DEFAULT_MEMORY_BUDGET)
+        self.disk_budget_bytes = _budget(disk_budget_bytes, "SEMANTICACHE_DISK_BUDGET", DEFAULT_DISK_BUDGET)
+        self.lock_timeout_s = lock_timeout_s
+        self.stats = StoreStats()
+        self._memory: OrderedDict[str, DocumentCache] = OrderedDict()
+        self._memory_lock = threading.Lock()
+        self._ignored: set[str] = set()  # rejected entries that could not be deleted
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"DocumentStore({str(self.directory)!r})"
+
+    # -- reading through the store --------------------------------------------------------
+
+    def key(self, engine, document: Document) -> CacheKey:
+        """The key under which ``engine.read(document)`` is stored."""
+        return CacheKey.for_read(engine, document, memo=self.directory / "weights.json")
+
+    def fetch(self, engine, document: Document, compute) -> DocumentCache:
+        """The cache of ``document`` for ``engine``: from memory, from disk, else ``compute()`` and store it."""
+        key = self.key(engine, document)
+        cache = self._from_memory(key.id)
+        if cache is None:
+            with self._entry_lock(key.id):  # another process reading this document: wait for its entry
+                cache = self._from_disk(key, document, engine)
+                if cache is None:
+                    self.stats.misses += 1
+                    cache = compute()
+                    self.put(key, cache)
+        return cache if cache.document == document else replace(cache, document=document)
+
+    def get(self, key: CacheKey, document: Document, engine) -> DocumentCache | None:
+        """The stored cache of ``key`` (rebuilt for ``document`` on ``engine``'s device), or ``None``."""
+        cache = self._from_memory(key.id)
+        return cache if cache is not None else self._from_disk(key, document, engine)
+
+    def put(self, key: CacheKey, cache: DocumentCache) -> None:
+        """Keep ``cache`` in memory and on disk (failures to write are logged, never raised)."""
+        self._remember(key.id, cache)
+        self._save(key, cache)
+
+    # -- memory tier ----------------------------------------------------------------------
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the caches held in memory."""
+        with self._memory_lock:
+            return sum(_held_nbytes(cache) for cache in self._memory.values())
+
+    def _remember(self, entry_id: str, cache: DocumentCache) -> None:
+        with self._memory_lock:
+            self._memory.pop(entry_id, None)
+            if _held_nbytes(cache) > self.memory_budget_bytes:
+                return
+            self._memory[entry_id] = cache
+            total = sum(_held_nbytes(c) for c in self._memory.values())
+            while total > self.memory_budget_bytes:  # least recently used first; disk copies stay
+                total -= _held_nbytes(self._memory.popitem(last=False)[1])
+
+    def _from_memory(self, entry_id: str) -> DocumentCache | None:
+        with self._memory_lock:
+            cache = self._memory.get(entry_id)
+            if cache is not None:
+                self._memory.move_to_end(entry_id)
+        if cache is not None:
+            self.stats.memory_hits += 1
+            self._touch(entry_id)
+        return cache
+
+    # -- disk tier ------------------------------------------------------------------------
+
+    def _paths(self, entry_id: str) -> tuple[Path, Path]:
+        if not isinstance(entry_id, str) or not _ID.fullmatch(entry_id):
+            raise ConfigError(f"invalid cache id {entry_id!r}: expected 64 hex digits")
+        return self.directory / f"{entry_id}.json", self.directory / f"{entry_id}.safetensors"
+
+    def _from_disk(self, key: CacheKey, document: Document, engine) -> DocumentCache | None:
+        entry_id = key.id
+        manifest_path, tensors_path = self._paths(entry_id)
+        if entry_id in self._ignored:
+            return None
+        try:
+            raw = manifest_path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            self._warn_once("read", f"Cannot read document caches in {self.directory}: {exc}")
+            return None
+        started = time.perf_counter()
+        try:
+            manifest = json.loads(raw)
+            check_manifest(manifest, key)
+            cache = load_cache(manifest, tensors_path.read_bytes(), document, engine)
+        except FileNotFoundError:
+            if manifest_path.exists():
+                self._reject(entry_id, "its tensor file is missing")
+            return None  # else evicted by another process meanwhile: a plain miss
+        except (EntryRejected, *LOAD_ERRORS) as exc:
+            self._reject(entry_id, str(exc) or type(exc).__name__, delete=not isinstance(exc, ImportError))
+            return None
+        self.stats.disk_hits += 1
+        self._touch(entry_id)
+        self._remember(entry_id, cache)
+        seconds = time.perf_counter() - started
+        logger.info(
+            "Loaded the cache of %s (%d tokens) from %s in %.2fs", document.name, cache.length, tensors_path, seconds
+        )
+        return cache
+
+    def _save(self, key: CacheKey, cache: DocumentCache) -> None:
+        manifest_path, tensors_path = self._paths(key.id)
+        if self.disk_budget_bytes == 0:
+            return
+        try:
+            data = save_tensors(cache_tensors(cache))
+        except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            self._warn_once(f"save:{cache.compressor}", f"Cannot store caches of {cache.compressor}: {exc}")
+            return
+        manifest = build_manifest(cache, key, hashlib.sha256(data).hexdigest(), len(data))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            atomic_write(tensors_path, data)
+            atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tensors_path.unlink(missing_ok=True)
+            self._warn_once("write", f"Cannot write document caches to {self.directory}: {exc}; not kept on disk")
+            return
+        self.stats.writes += 1
+        self._ignored.discard(key.id)
+        self._enforce_disk_budget(keep=key.id, name=cache.document.name)
+
+    def _reject(self, entry_id: str, reason: str, delete: bool = True) -> None:
+        self.stats.rejected += 1
+        logger.warning(
+            "Ignoring stored cache %s in %s (%s); reading the document again", entry_id[:12], self.directory, reason
+        )
+        if delete:
+            try:
+                self._delete(entry_id)
+                return
+            except OSError:
+                pass
+        self._ignored.add(entry_id)  # kept on disk: skipped, and not reported again, by this process
+
+    def _delete(self, entry_id: str, memory: bool = True) -> None:
+        manifest_path, tensors_path = self._paths(entry_id)
+        manifest_path.unlink(missing_ok=True)  # first: the entry is gone before its tensors are
+        tensors_path.unlink(missing_ok=True)
+        if memory:
+            with self._memory_lock:
+                self._memory.pop(entry_id, None)
+
+    def _touch(self, entry_id: str) -> None:
+        with contextlib.suppress(OSError):  # last use is the manifest's mtime; read-only stores keep theirs
+            os.utime(self._paths(entry_id)[0])
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message)
+
+    @contextlib.contextmanager
+    def _entry_lock(self, entry_id: str):
+        lock = None
+        try:
+            (self.directory / ".locks").mkdir(parents=True, exist_ok=True)
+            lock = FileLock(self.directory / ".locks" / f"{entry_id}.lock", timeout=self.lock_timeout_s)
+            lock.acquire()
+        except OSError as exc:  # read-only store or timeout: correctness never depends on the lock
+            logger.debug("reading without the store lock: %s", exc)
+            lock = None
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _is_locked(self, entry_id: str) -> bool:
+        lock = FileLock(self.directory / ".locks" / f"{entry_id}.lock", timeout=0)
+        try:
+            lock.acquire()
+        except OSError:
+            return True
+        lock.release()
+        return False
+
+    def _enforce_disk_budget(self, keep: str, name: str) -> None:
+        self._remove_leftovers(LEFTOVER_AGE_S)
+        entries = self.entries()
+        total = sum(e.disk_bytes for e in entries)
+        # Least recently used first, the entry just written last; entries being read are skipped.
+        for entry in sorted(entries, key=lambda e: (e.id == keep, e.last_used)):
+            if total <= self.disk_budget_bytes:
+                break
+            if entry.id != keep and self._is_locked(entry.id):
+                continue
+            with contextlib.suppress(OSError):
+                self._delete(entry.id, memory=False)  # evicted from disk, not from this process's memory
+                total -= entry.disk_bytes
+                if entry.id == keep:
+                    size, budget = entry.disk_bytes / 2**20, self.disk_budget_bytes / 2**20
+                    logger.warning("The cache of %s (%.1f MiB) exceeds the disk budget (%.1f MiB)", name, size, budget)
+
+    def _remove_leftovers(self, older_than_s: float) -> None:
+        """Delete temporary files and tensor files without a manifest left by crashed writers."""
+        cutoff = time.time() - older_than_s
+        with contextlib.suppress(OSError):
+            for path in self.directory.iterdir():
+                orphan = path.suffix == ".safetensors" and not path.with_suffix(".json").exists()
+                if path.name.startswith(TMP_PREFIX) or (orphan and _ID.fullmatch(path.stem)):
+                    with contextlib.suppress(OSError):
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink()
+
+    # -- listing and removing -------------------------------------------------------------
+
+    def entries(self) -> list[StoredEntry]:
+        """Every entry on disk, least recently used first."""
+        found = []
+        with contextlib.suppress(OSError):
+            for path in self.directory.glob("*.json"):
+                if _ID.fullmatch(path.stem):
+                    with contextlib.suppress(OSError):
+                        found.append(self._entry(path.stem))
+        return sorted(found, key=lambda e: e.last_used)
+
+    def _entry(self, entry_id: str) -> StoredEntry:
+        manifest_path, tensors_path = self._paths(entry_id)
+        stat = manifest_path.stat()
+        try:
+            manifest = json.loads(manifest_path.read_bytes())
+            manifest = manifest if isinstance(manifest, dict) else None
+        except ValueError:
+            manifest = None
+        tensor_bytes = tensors_path.stat().st_size if tensors_path.exists() else 0
+        return StoredEntry(entry_id, manifest, stat.st_size + tensor_bytes, stat.st_mtime)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of all entries on disk."""
+        return sum(e.disk_bytes for e in self.entries())
+
+    def resolve(self, id_or_prefix: str) -> str:
+        """The full id of the one entry whose id starts with ``id_or_prefix`` (at least 4 hex digits).
+
+        Raises
+        ------
+        ConfigError
+            ``id_or_prefix`` is not hex (ids never name paths other than the store's own files).
+        StoreError
+            No entry, or more than one, has that prefix.
+        """
+        prefix = str(id_or_prefix).strip().lower()
+        if not _ID_PREFIX.fullmatch(prefix):
+            raise ConfigError(
+                f"invalid cache id {id_or_prefix!r}: use 4 to 64 hex digits of an id that `semanticache-rag cache list`"
+                " shows"
+            )
+        matches = [e.id for e in self.entries() if e.id.startswith(prefix)]
+        if len(matches) != 1:
+            found = "no cache entry" if not matches else f"{len(matches)} cache entries"
+            raise StoreError(f"{found} with id {prefix} in {self.directory}; see `semanticache-rag cache list`")
+        return matches[0]
+
+    def info(self, id_or_prefix: str) -> StoredEntry:
+        """The entry with this id or unique id prefix (see :meth:`resolve`)."""
+        entry_id = self.resolve(id_or_prefix)
+        try:
+            return self._entry(entry_id)
+        except OSError as exc:
+            raise StoreError(f"cannot read cache entry {entry_id[:12]}: {exc}") from exc
+
+    def remove(self, id_or_prefix: str) -> StoredEntry:
+        """Delete the entry with this id or unique id prefix; returns what it was."""
+        entry = self.info(id_or_prefix)
+        try:
+            self._delete(entry.id)
+        except OSError as exc:
+            raise StoreError(f"cannot remove cache entry {entry.id[:12]}: {exc}") from exc
+        return entry
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every entry (memory and disk) and crash leftovers; returns (entries, bytes) removed."""
+        entries = self.entries()
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                self._delete(entry.id)
+        self._remove_leftovers(0)
+        self._ignored.clear()
+        with self._memory_lock:
+            self._memory.clear()
+        return len(entries), sum(e.disk_bytes for e in entries)
