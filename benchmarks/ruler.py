@@ -24,20 +24,36 @@ from tqdm.auto import tqdm
 
 from benchmarks.report import environment, markdown_table, mean_of, score_vs_ratio_plot
 from benchmarks.ruler_tasks import TASKS, build, score
-from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor, load_document
-from semanticache_rag.kv import ConversationKV
+from semanticache_rag import (
+    Engine,
+    NoCompression,
+    SeKVCompressor,
+    SemantiCacheCompressor,
+    StreamingLLMCompressor,
+    load_document,
+)
+from semanticache_rag.conversation import working_cache
 from semanticache_rag.prompts import Turn
 
 RESULTS = Path(__file__).parent / "results"
 KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "chunkkv")
 
 
-def our_methods(ratios):
-    """(method, ratio, compressor) for every compressor of this package."""
+OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm")
+
+
+def our_methods(ratios, methods=OUR_METHODS):
+    """(method, ratio, compressor) for every compressor of this package.
+
+    ``ratio`` is the device budget for all of them: SeKV's summary and per-question expansion
+    together stay within it.
+    """
     yield "full", 0.0, NoCompression()
+    makers = {"semanticache": SemantiCacheCompressor, "sekv": SeKVCompressor, "streaming_llm": StreamingLLMCompressor}
     for ratio in ratios:
-        yield "semanticache", ratio, SemantiCacheCompressor(ratio)
-        yield "streaming_llm", ratio, StreamingLLMCompressor(ratio)
+        for method in methods:
+            if method in makers:
+                yield method, ratio, makers[method](ratio)
 
 
 def tail_ids(engine: Engine, question: str) -> list[int]:
@@ -48,7 +64,7 @@ def forced_logprobs(engine: Engine, cache, tail: list[int], answer: tuple[int, .
     """Log-distributions (A, V) of each full-cache answer token given the cache (teacher forcing)."""
     if not answer:
         return None
-    kv = ConversationKV(cache.layers)
+    kv, _ = working_cache(engine, cache, tail)  # SeKV zooms in on the question, as when answering
     logits = engine.forward(kv, tail + list(answer[:-1]), cache.length, logits_to_keep=len(answer))
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -60,12 +76,12 @@ def kl(reference: torch.Tensor | None, other: torch.Tensor | None) -> float:
     return float((reference.exp() * (reference - other)).sum(-1).mean())
 
 
-def run_ours(engine: Engine, contexts, ratios) -> list[dict]:
+def run_ours(engine: Engine, contexts, ratios, methods=OUR_METHODS) -> list[dict]:
     rows = []
     for context in tqdm(contexts, desc="contexts (ours)", unit="ctx"):
         prefill = engine.prefill(context.document, surprisal=True, progress=False)
         reference = {}
-        for method, ratio, compressor in our_methods(ratios):
+        for method, ratio, compressor in our_methods(ratios, methods):
             cache = engine.compress(prefill, compressor)
             for q in context.questions:
                 tail = tail_ids(engine, q.text)
@@ -83,7 +99,7 @@ def run_ours(engine: Engine, contexts, ratios) -> list[dict]:
                         context,
                         q,
                         answer.answer,
-                        cache.nbytes,
+                        answer.cache_bytes,  # device bytes this answer used (SeKV: summary + rebuilt spans)
                         cache.full_nbytes,
                         prefill.seconds + cache.compress_s,
                         answer.tokens_per_s,
@@ -182,6 +198,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 7500])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
     parser.add_argument("--samples", type=int, default=2, help="contexts per task and length")
+    parser.add_argument("--methods", nargs="+", default=list(OUR_METHODS), choices=OUR_METHODS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvpress", action="store_true", help="also run kvpress's presses in their own venv")
     parser.add_argument(
@@ -213,7 +230,7 @@ def main() -> None:
         by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
         write_results(ours + kvpress_rows(raw, by_qid), args, started)
         return
-    rows = run_ours(engine, contexts, args.ratios)
+    rows = run_ours(engine, contexts, args.ratios, args.methods)
     write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
     if args.kvpress:
         from semanticache_rag.models import resolve_model

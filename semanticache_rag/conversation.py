@@ -20,6 +20,9 @@ class Answer:
     ``cached_tokens`` of them were reused from caches, so only ``prompt_tokens - cached_tokens``
     were computed for this question. ``cache_creation_tokens`` were prefilled into a new document
     cache by this call (prompt caching of registered documents, :mod:`semanticache_rag.prompt_cache`).
+    ``cache_bytes`` is the device memory of the document cache this answer used; with SeKV's
+    zoom-in it includes the spans rebuilt for this question (``spans_expanded`` spans,
+    ``tokens_reconstructed`` tokens), and ``host_bytes`` is the host copy of all spans.
     ``prefill_s`` is the time to the first answer token,
     ``decode_s`` the time for the rest, ``tokens_per_s`` the decode rate after the first token.
     """
@@ -38,10 +41,24 @@ class Answer:
     completion_ids: tuple[int, ...] = field(default=(), repr=False)
     cache_creation_tokens: int = 0
     document_id: str | None = None
+    spans_expanded: int = 0
+    tokens_reconstructed: int = 0
+    host_bytes: int = 0
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (the ``--json`` line format)."""
         return {k: v for k, v in asdict(self).items() if k != "completion_ids"}
+
+
+def working_cache(engine, cache, tail: list[int]):
+    """A fresh working cache to run ``tail`` over ``cache``, and what zooming did (or None).
+
+    For most caches that is the document's layers as they are; a SeKV cache first rebuilds the
+    spans ``tail`` needs (:meth:`~semanticache_rag.compressors.sekv.SpanIndex.working_kv`).
+    """
+    if cache.zoom is None:
+        return ConversationKV(cache.layers), None
+    return cache.zoom.working_kv(engine, cache, tail)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -87,6 +104,10 @@ class Conversation:
         opts = GenerationOptions(**{**asdict(self.options), **options})
         engine, start = self.engine, time.perf_counter()
         reused, budget = self._prepare(tail)
+        zoom = None
+        if self.cache.zoom is not None:  # rebuild the spans this question needs; the whole tail is recomputed
+            self.kv, zoom = working_cache(engine, self.cache, tail)
+            reused = 0
         stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings)
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
         logits = engine.forward(self.kv, tail[reused:], self.cache.length + reused)[-1]
@@ -110,7 +131,7 @@ class Conversation:
         rest = stream.flush()
         if rest:
             yield rest
-        self._finish(question, stream, len(tail), reused, generated, finish, (start, first))
+        self._finish(question, stream, len(tail), reused, generated, finish, (start, first), zoom)
 
     def _prepare(self, tail: list[int]) -> tuple[int, int]:
         """How many of ``tail`` are already cached (the rest is cropped), and room to answer."""
@@ -129,7 +150,7 @@ class Conversation:
         self.kv.crop(reused)
         return reused, budget
 
-    def _finish(self, question, stream, tail_len, reused, generated, finish, times) -> None:
+    def _finish(self, question, stream, tail_len, reused, generated, finish, times, zoom=None) -> None:
         (start, first), text = times, stream.text.strip()
         decode_s = time.perf_counter() - first
         self.turns.append(Turn(question, text))
@@ -143,9 +164,12 @@ class Conversation:
             decode_s=decode_s,
             tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
             document_tokens=self.cache.length,
-            cache_bytes=self.cache.nbytes,
+            cache_bytes=self.cache.nbytes if zoom is None else zoom.device_bytes,
             finish_reason=finish,
             completion_ids=tuple(stream.ids),
+            spans_expanded=0 if zoom is None else zoom.spans_expanded,
+            tokens_reconstructed=0 if zoom is None else zoom.tokens_reconstructed,
+            host_bytes=self.cache.host_nbytes,
         )
 
     def _eos_ids(self) -> set[int]:

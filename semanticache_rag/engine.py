@@ -75,6 +75,11 @@ class DocumentCache:
         return sum(2 * layer.keys[:, :, :1].nbytes * self.length for layer in self.layers)
 
     @property
+    def host_nbytes(self) -> int:
+        """Bytes kept beside the cache in host memory (SeKV's span copies), 0 for most compressors."""
+        return 0 if self.zoom is None else self.zoom.nbytes
+
+    @property
     def layer_compression_ratios(self) -> list[float]:
         """Fraction of KV entries removed, per layer."""
         return [1 - layer.num_entries / (layer.keys.shape[1] * self.length) for layer in self.layers]
@@ -257,7 +262,7 @@ class Engine:
             raise ConfigError(f"{compressor.name} needs token surprisal: prefill with surprisal=True")
         started = time.perf_counter()
         context = CompressionContext(torch.tensor(prefill.ids), prefill.pages < 0, prefill.surprisal, self.tokenizer)
-        layers = compressor.compress_document(prefill.keys_values, context)
+        layers, zoom = compressor.compress_cache(prefill.keys_values, context)
         return DocumentCache(
             prefill.document,
             layers,
@@ -267,6 +272,7 @@ class Engine:
             repr(compressor),
             prefill.seconds,
             time.perf_counter() - started,
+            zoom,
         )
 
     def _prefill(self, ids: list[int], name: str, progress: bool, need_surprisal: bool):

@@ -128,12 +128,14 @@ class ConversationKV(Cache):
         # Called by the attention function as observe(layer_idx, query, document_layer, scaling)
         # when set: lets a compressor score document entries against a question's queries.
         self.observe = None
+        # Appended entries that precede the conversation's tokens (SeKV's rebuilt spans): kept by crop.
+        self.prefix_length = 0
 
     @property
     def appended_length(self) -> int:
-        return self.layers[0].length
+        return self.layers[0].length - self.prefix_length
 
     def crop(self, length: int) -> None:
         """Forget appended tokens after the first ``length``."""
         for layer in self.layers:
-            layer.crop(length)
+            layer.crop(self.prefix_length + length)

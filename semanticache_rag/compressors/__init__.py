@@ -1,12 +1,13 @@
 """KV-cache compressors: one file and one dataclass each, registered here."""
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor, NoCompression
+from semanticache_rag.compressors.sekv import SeKVCompressor
 from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
 from semanticache_rag.compressors.streaming_llm import StreamingLLMCompressor
 from semanticache_rag.errors import ConfigError
 
 COMPRESSORS: dict[str, type[Compressor]] = {
-    cls.name: cls for cls in (NoCompression, SemantiCacheCompressor, StreamingLLMCompressor)
+    cls.name: cls for cls in (NoCompression, SemantiCacheCompressor, SeKVCompressor, StreamingLLMCompressor)
 }
 
 
@@ -27,6 +28,7 @@ __all__ = [
     "CompressionContext",
     "Compressor",
     "NoCompression",
+    "SeKVCompressor",
     "SemantiCacheCompressor",
     "StreamingLLMCompressor",
     "make_compressor",

@@ -75,6 +75,14 @@ class Compressor:
         plan = self.prepare(context)
         return tuple(self.compress(keys, values, context, plan) for keys, values in keys_values)
 
+    def compress_cache(self, keys_values, context: CompressionContext):
+        """The compressed layers and any host-side state kept beside them (``DocumentCache.zoom``).
+
+        Only compressors that re-expand parts of the document per question keep such state
+        (:class:`~semanticache_rag.compressors.sekv.SeKVCompressor`); the rest return ``None``.
+        """
+        return self.compress_document(keys_values, context), None
+
 
 @dataclass(frozen=True)
 class NoCompression(Compressor):

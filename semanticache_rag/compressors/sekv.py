@@ -1,0 +1,340 @@
+"""SeKV-style zoom-in: a span summary on the device, every span recoverable from host memory.
+
+SemantiCache decides what to merge before any question is known; a later question about a
+detail inside a merged span cannot get it back. SeKV (Abaskohi et al., 2026) keeps one
+summary entry per span on the accelerator and a low-rank copy of each span in host memory,
+and re-expands, per question, the spans that question needs. This is the training-free
+version:
+
+- **Spans** come from prefill surprisal (``-log p``): a span starts where the model was
+  surprised (SeKV's boundary rule, surprisal > mean + ``anchor_std`` std, taken highest first
+  until the budget is met); the most surprising tokens (*anchors*), template tokens, the first
+  ``sink_tokens`` and the last ``window_tokens`` stay whole. Spans are shared by all layers
+  and heads, so one decision expands a span everywhere.
+- **Summary** (device): one entry per span, the mean key and value with the proportional-
+  attention bias ``log |span|`` (exact when a span's tokens are identical).
+- **Host copy**: each span's keys and values per layer and head as a rank-``rank`` SVD (spans
+  no longer than ``rank`` are kept as they are: their SVD would be larger than the tokens).
+- **Zoom-in** (:meth:`SpanIndex.working_kv`): the question's tokens are run once over the
+  summary; each span's score is the attention its summary entry gets (max over heads and
+  question tokens, summed over layers); the best spans within ``zoom_tokens`` are rebuilt at
+  token level *for this question only*: their summary entries are masked (size 0) in a copy
+  of the ``sizes`` tensor (2 bytes per entry), and the rebuilt tokens go in front of the
+  question in the working cache. The document cache never changes.
+
+``compression_ratio`` sets the device budget as for the other compressors: by default the
+summary and the per-question expansion together keep at most ``(1 - compression_ratio) * N``
+entries per head, ``zoom_share`` of them left for the expansion. An explicit ``zoom_tokens``
+is added on top of a summary of ``(1 - compression_ratio) * N`` entries instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from semanticache_rag.compressors.base import CompressionContext, Compressor
+from semanticache_rag.errors import ConfigError
+from semanticache_rag.kv import ConversationKV, LayerKV
+
+
+@dataclass(frozen=True, eq=False)
+class _Spans:
+    start: torch.Tensor  # (E,) first token of each entry (whole tokens are spans of one)
+    length: torch.Tensor  # (E,)
+    entry_of_token: torch.Tensor  # (N,)
+    zoom_tokens: int = 0  # per-question expansion budget
+
+
+@dataclass(frozen=True, eq=False)
+class ZoomInfo:
+    """What zooming did for one question (reported on the :class:`~semanticache_rag.Answer`)."""
+
+    spans_expanded: int
+    tokens_reconstructed: int
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(eq=False)
+class SpanIndex:
+    """Host-side low-rank copy of every multi-token span of a SeKV document cache.
+
+    Spans are grouped in buckets by length (widths 2, 4, 8, ...). Per bucket, ``entries``
+    (S,) are the spans' summary-entry indices and ``factors`` holds, for keys and for values,
+    ``(left, right)``: ``left`` (L, H, T, r) per token of the bucket's spans (T = their total
+    length, no padding) and ``right`` (L, H, S, r, D) per span, so a span's rows are
+    ``left[span tokens] @ right[span]``; or ``(None, rows)`` with the rows themselves
+    (L, H, T, D) when a span is no longer than the rank.
+    """
+
+    start: torch.Tensor  # (E,) per summary entry
+    length: torch.Tensor  # (E,)
+    widths: list[int]
+    entries: list[torch.Tensor]
+    factors: list[dict[str, tuple[torch.Tensor | None, torch.Tensor]]]
+    zoom_tokens: int
+    rank: int
+    _nbytes: int = field(default=-1, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the span copies and their bookkeeping."""
+        if self._nbytes < 0:
+            tensors = [self.start, self.length, *self.entries]
+            for parts in self.factors:
+                tensors += [t for pair in parts.values() for t in pair if t is not None]
+            self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._nbytes
+
+    def reconstruct(self, selected: torch.Tensor, device, dtype):
+        """Token-level keys and values of the ``selected`` entries, per layer: (L, H, T, D) each."""
+        keys, values = [], []
+        for width, entries, parts in zip(self.widths, self.entries, self.factors):
+            chosen = torch.isin(entries, selected)
+            if not chosen.any():
+                continue
+            valid = torch.arange(width)[None, :] < self.length[entries][:, None]  # (S, W)
+            tokens = chosen[:, None].expand(-1, width)[valid]  # (T,) tokens of chosen spans
+            for out, name in ((keys, "keys"), (values, "values")):
+                left, right = parts[name]
+                if left is None:
+                    out.append(right[:, :, tokens])
+                    continue
+                padded = left.new_zeros(*left.shape[:2], int(chosen.sum()), width, left.shape[3])
+                padded[:, :, valid[chosen]] = left[:, :, tokens]
+                rows = padded.float() @ right[:, :, chosen].float()  # (L, H, S', W, D)
+                out.append(rows[:, :, valid[chosen]])
+        if not keys:
+            return None
+        return torch.cat(keys, 2).to(device, dtype), torch.cat(values, 2).to(device, dtype)
+
+    def scores(self, engine, cache, tail: list[int]) -> torch.Tensor:
+        """Attention each summary entry gets from the question's tokens (E,): max over heads and
+        tokens, summed over layers."""
+        total = torch.zeros(self.start.numel())
+
+        def observe(layer_idx, query, document, scaling):
+            batch, heads, num_queries, dim = query.shape
+            kv_heads = document.keys.shape[1]
+            q = query.reshape(batch, kv_heads, -1, dim)
+            logits = (q @ document.keys.transpose(-1, -2)).float() * scaling + document.log_sizes[:, :, None, :]
+            total.add_(torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu())
+
+        kv = ConversationKV(cache.layers)
+        kv.observe = observe
+        engine.forward(kv, tail, cache.length)
+        return total
+
+    def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Multi-token spans by score, highest first, each taken if its tokens still fit ``budget``."""
+        candidates = (self.length > 1).nonzero()[:, 0]
+        order = candidates[scores[candidates].argsort(descending=True)].tolist()
+        lengths, chosen, used = self.length.tolist(), [], 0
+        for entry in order:
+            if used + lengths[entry] <= budget:
+                chosen.append(entry)
+                used += lengths[entry]
+        return torch.tensor(chosen, dtype=torch.long)
+
+    def working_kv(self, engine, cache, tail: list[int]) -> tuple[ConversationKV, ZoomInfo]:
+        """A working cache for ``tail`` with the spans it needs rebuilt at token level."""
+        selected = self.select(self.scores(engine, cache, tail), self.zoom_tokens)
+        rebuilt = self.reconstruct(selected, engine.device, cache.layers[0].keys.dtype)
+        count = 0 if rebuilt is None else rebuilt[0].shape[2]
+        masked = torch.ones(self.start.numel(), dtype=torch.bool)
+        masked[selected] = False
+        layers = [LayerKV(layer.keys, layer.values, layer.sizes * masked.to(layer.sizes)) for layer in cache.layers]
+        kv = ConversationKV(layers, capacity=count + len(tail) + 256)
+        if rebuilt is not None:
+            for index, layer in enumerate(kv.layers):
+                layer.update(rebuilt[0][index][None], rebuilt[1][index][None])
+            kv.prefix_length = count
+        extra = sum(layer.sizes.nbytes for layer in layers) + (0 if rebuilt is None else rebuilt[0].nbytes * 2)
+        return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra, self.nbytes)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only (for safetensors); :meth:`from_state_dict` restores the index."""
+        state = {"start": self.start, "length": self.length}
+        state["config"] = torch.tensor([self.zoom_tokens, self.rank, *self.widths])
+        for b, (entries, parts) in enumerate(zip(self.entries, self.factors)):
+            state[f"{b}.entries"] = entries
+            for name, (left, right) in parts.items():
+                state[f"{b}.{name}.right"] = right
+                if left is not None:
+                    state[f"{b}.{name}.left"] = left
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> SpanIndex:
+        zoom_tokens, rank, *widths = state["config"].tolist()
+        entries = [state[f"{b}.entries"] for b in range(len(widths))]
+        factors = [
+            {name: (state.get(f"{b}.{name}.left"), state[f"{b}.{name}.right"]) for name in ("keys", "values")}
+            for b in range(len(widths))
+        ]
+        return cls(state["start"], state["length"], widths, entries, factors, zoom_tokens, rank)
+
+
+def _factor(rows: torch.Tensor, rank: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """rows (..., W, D) -> (left (..., W, r), right (..., r, D)), the best rank-r approximation.
+
+    Spans no longer than ``rank`` come back as ``(None, rows)``: their factors would be larger.
+    Computed from the eigenvectors of the smaller Gram matrix (D x D or W x W), much faster than
+    a batched SVD and the same subspace; exact once ``rank >= min(W, D)``.
+    """
+    width, dim = rows.shape[-2:]
+    if width <= rank:
+        return None, rows.to(dtype)
+    x = rows.float()
+    k = min(rank, width, dim)
+    if width >= dim:
+        basis = torch.linalg.eigh(x.transpose(-1, -2) @ x).eigenvectors[..., -k:]  # (..., D, k)
+        return (x @ basis).to(dtype), basis.transpose(-1, -2).to(dtype)
+    basis = torch.linalg.eigh(x @ x.transpose(-1, -2)).eigenvectors[..., -k:]  # (..., W, k)
+    return basis.to(dtype), (basis.transpose(-1, -2) @ x).to(dtype)
+
+
+@dataclass(frozen=True)
+class SeKVCompressor(Compressor):
+    """Surprisal-guided spans: summary on the device, rank-``rank`` span copies on the host, zoom-in.
+
+    Attributes
+    ----------
+    compression_ratio : float
+        Device budget: summary and per-question expansion keep at most this fraction of entries
+        removed, in [0, 1).
+    zoom_tokens : int or None
+        Tokens rebuilt per question, on top of the summary; ``None``: ``zoom_share`` of the
+        device budget.
+    zoom_share : float
+        Share of the device budget left for the expansion when ``zoom_tokens`` is None, in [0, 1).
+    rank : int
+        Rank of each span's SVD (spans of at most ``rank`` tokens are kept exactly); a rank of at
+        least the head dimension makes every reconstruction exact.
+    anchor_std : float
+        Span boundaries and anchors: tokens with surprisal above mean + ``anchor_std`` std.
+    anchor_share : float
+        Most of the summary that anchors (tokens kept whole) may take, in [0, 1].
+    sink_tokens, window_tokens : int
+        First and last tokens kept whole.
+    """
+
+    name: ClassVar[str] = "sekv"
+    needs_surprisal: ClassVar[bool] = True
+    compression_ratio: float = 0.75
+    zoom_tokens: int | None = None
+    zoom_share: float = 0.3
+    rank: int = 16
+    anchor_std: float = 1.0
+    anchor_share: float = 0.25
+    sink_tokens: int = 4
+    window_tokens: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.zoom_tokens is not None and self.zoom_tokens < 0:
+            raise ConfigError(f"zoom_tokens must be >= 0, got {self.zoom_tokens!r}")
+        if not 0 <= self.zoom_share < 1 or not 0 <= self.anchor_share <= 1:
+            raise ConfigError(
+                f"zoom_share must be in [0, 1) and anchor_share in [0, 1], "
+                f"got {self.zoom_share!r}, {self.anchor_share!r}"
+            )
+        if self.rank < 1 or self.sink_tokens < 0 or self.window_tokens < 0:
+            raise ConfigError(f"rank must be >= 1 and sink/window tokens >= 0, got rank={self.rank!r}")
+
+    def budgets(self, num_tokens: int) -> tuple[int, int]:
+        """(summary entries, zoom tokens) per head for a prefix of ``num_tokens`` tokens."""
+        kept = self.target_entries(num_tokens)
+        if self.zoom_tokens is not None:
+            return kept, self.zoom_tokens
+        zoom = round(self.zoom_share * kept)
+        return max(1, kept - zoom), zoom
+
+    def prepare(self, context: CompressionContext) -> _Spans:
+        num_tokens = context.token_ids.numel()
+        summary, zoom = self.budgets(num_tokens)
+        whole = context.protected.clone()
+        whole[: self.sink_tokens] = True
+        whole[max(0, num_tokens - self.window_tokens) :] = True
+        if self.zoom_tokens is None and int(whole.sum()) >= summary:  # short documents: the summary comes first
+            summary, zoom = min(summary + zoom, int(whole.sum()) + 1), max(0, summary + zoom - int(whole.sum()) - 1)
+        if summary >= num_tokens:
+            return _spans(torch.ones(num_tokens, dtype=torch.bool))
+        if int(whole.sum()) >= summary:
+            raise ConfigError(
+                f"the summary budget of {summary} entries per head does not cover the {int(whole.sum())} "
+                "template, sink and window tokens; lower compression_ratio, zoom_tokens or window_tokens"
+            )
+        surprisal = context.surprisal.float()
+        free = surprisal[~whole]
+        threshold = free.mean() + self.anchor_std * free.std() if free.numel() > 1 else float("inf")
+        priority = surprisal.masked_fill(whole, float("-inf"))
+        anchors = min(int((priority > threshold).sum()), max(0, int(self.anchor_share * summary) - int(whole.sum())))
+        while True:  # fewer anchors when the runs between them alone exceed the budget
+            kept = whole.clone()
+            kept[priority.topk(anchors).indices] = True
+            starts = kept.clone()
+            starts[1:] |= kept[:-1]  # a token after a whole token starts a run
+            starts[0] = True
+            if int(starts.sum()) <= summary or anchors == 0:
+                break
+            anchors //= 2
+        # -- the most surprising remaining tokens start new spans until the budget is used
+        room = max(0, summary - int(starts.sum()))
+        boundaries = surprisal.masked_fill(starts, float("-inf")).topk(min(room, int((~starts).sum()))).indices
+        starts[boundaries] = True
+        return _spans(starts, zoom)
+
+    def compress(self, keys, values, context, plan: _Spans) -> LayerKV:
+        """The summary of one layer: mean key and value per span, sizes = span lengths."""
+        if plan.start.numel() == keys.shape[2]:
+            return LayerKV(keys, values)
+        entries = plan.start.numel()
+        index = plan.entry_of_token.to(keys.device)
+        denom = plan.length.to(keys.device, torch.float32)[None, None, :, None]
+        summary = []
+        for x in (keys, values):
+            sums = x.new_zeros(*x.shape[:2], entries, x.shape[3], dtype=torch.float32).index_add_(2, index, x.float())
+            summary.append((sums / denom).to(x.dtype))
+        dtype = torch.int16 if int(plan.length.max()) < 2**15 else torch.int32
+        sizes = plan.length.to(keys.device, dtype).expand(1, keys.shape[1], entries).contiguous()
+        return LayerKV(summary[0], summary[1], sizes)
+
+    def compress_cache(self, keys_values, context: CompressionContext):
+        plan = self.prepare(context)
+        layers = tuple(self.compress(keys, values, context, plan) for keys, values in keys_values)
+        return layers, self.span_index(keys_values, plan)
+
+    def span_index(self, keys_values, plan: _Spans) -> SpanIndex | None:
+        """The host copy of every multi-token span (``None`` when nothing was merged)."""
+        if plan.start.numel() == plan.entry_of_token.numel():
+            return None
+        widths, entries, factors = [], [], []
+        multi = (plan.length > 1).nonzero()[:, 0]
+        bucket = torch.ceil(torch.log2(plan.length[multi].float())).long()  # width 2**bucket
+        stacked = [torch.stack([kv[i][0].cpu() for kv in keys_values]) for i in (0, 1)]  # (L, H, N, D)
+        for b in bucket.unique().tolist():
+            members = multi[bucket == b]
+            width = 2**b
+            offsets = torch.arange(width)
+            rows = (plan.start[members, None] + offsets).clamp(max=plan.entry_of_token.numel() - 1)  # (S, W)
+            valid = offsets[None, :] < plan.length[members, None]
+            parts = {}
+            for name, x in zip(("keys", "values"), stacked):
+                left, right = _factor(x[:, :, rows] * valid[None, None, :, :, None], self.rank, x.dtype)
+                # keep only real tokens of the per-token factor (the padding rows are zeros)
+                parts[name] = (None, right[:, :, valid]) if left is None else (left[:, :, valid], right)
+            widths.append(width)
+            entries.append(members)
+            factors.append(parts)
+        return SpanIndex(plan.start, plan.length, widths, entries, factors, plan.zoom_tokens, self.rank)
+
+
+def _spans(starts: torch.Tensor, zoom_tokens: int = 0) -> _Spans:
+    """Entries from a (N,) bool mask of span starts."""
+    start = starts.nonzero()[:, 0]
+    length = torch.diff(start, append=torch.tensor([starts.numel()]))
+    return _Spans(start, length, starts.long().cumsum(0) - 1, zoom_tokens)

@@ -1,0 +1,113 @@
+"""SeKV zoom-in: span summary, host-side low-rank span copies, per-question expansion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semanticache_rag import ConfigError, Engine, NoCompression, SeKVCompressor
+from semanticache_rag.compressors import make_compressor
+from semanticache_rag.compressors.sekv import SpanIndex, _factor
+
+
+def _read(engine, text, compressor):
+    engine.compressor = compressor
+    return engine.read(text, progress=False)
+
+
+@pytest.fixture()
+def engine(tiny_llama, tiny_tokenizer):
+    return Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=128)
+
+
+def test_reconstruction_error_falls_with_rank_and_is_exact_at_full_rank():
+    rows = torch.randn(2, 3, 5, 24, 16)  # (L, H, spans, width, head_dim)
+    errors = []
+    for rank in (1, 2, 4, 8, 16):
+        left, right = _factor(rows, rank, torch.float32)
+        errors.append(float((left @ right - rows).norm() / rows.norm()))
+    assert all(a > b for a, b in zip(errors, errors[1:]))
+    assert errors[-1] < 1e-5
+    left, right = _factor(rows[:, :, :, :4], 8, torch.float32)  # spans of <= rank tokens are kept as they are
+    assert left is None and torch.equal(right, rows[:, :, :, :4])
+
+
+def test_summary_meets_the_device_budget_and_sizes_sum(engine, document_text):
+    compressor = SeKVCompressor(0.75)
+    cache = _read(engine, document_text, compressor)
+    summary, zoom = compressor.budgets(cache.length)
+    assert summary + zoom == round(0.25 * cache.length) and zoom == round(0.3 * (summary + zoom))
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == summary
+        assert (layer.sizes.sum(-1) == cache.length).all()
+    assert cache.nbytes < 0.25 * cache.full_nbytes
+    assert cache.host_nbytes > 0
+    answer = engine.ask(cache, "Who may copy it?", max_new_tokens=4)
+    assert 0 < answer.tokens_reconstructed <= zoom
+    assert answer.cache_bytes <= 0.25 * cache.full_nbytes * 1.05  # summary + expansion + masked sizes copy
+
+
+def test_every_span_rebuilt_at_full_rank_gives_the_full_cache_answer(engine, document_text):
+    question = "Who may copy it?"
+    full = engine.ask(_read(engine, document_text, NoCompression()), question, max_new_tokens=12)
+    # head_dim is 16: rank 16 is exact; a zoom budget of the whole document expands every span
+    cache = _read(engine, document_text, SeKVCompressor(0.5, zoom_tokens=10_000, rank=16))
+    answer = engine.ask(cache, question, max_new_tokens=12)
+    assert answer.completion_ids == full.completion_ids
+    assert answer.tokens_reconstructed == int(cache.zoom.length[cache.zoom.length > 1].sum())
+    assert answer.spans_expanded == int((cache.zoom.length > 1).sum())
+
+
+def test_zoom_leaves_the_document_cache_unchanged_and_reports_bytes(engine, document_text):
+    cache = _read(engine, document_text, SeKVCompressor(0.75, zoom_tokens=128, rank=4))
+    sizes = [layer.sizes.clone() for layer in cache.layers]
+    conversation = engine.conversation(cache)
+    first = conversation.ask("Who may copy it?", max_new_tokens=6)
+    second = conversation.ask("And who may change it?", max_new_tokens=6)
+    assert all(torch.equal(s, layer.sizes) for s, layer in zip(sizes, cache.layers))
+    for answer in (first, second):
+        assert 0 < answer.tokens_reconstructed <= 128 and answer.spans_expanded > 0
+        assert answer.cache_bytes > cache.nbytes and answer.host_bytes == cache.host_nbytes
+    assert second.prompt_tokens > first.prompt_tokens  # the first turn stays in context
+
+
+def test_no_zoom_budget_answers_from_the_summary_alone(engine, document_text):
+    cache = _read(engine, document_text, SeKVCompressor(0.75, zoom_tokens=0))
+    answer = engine.ask(cache, "Who may copy it?", max_new_tokens=6)
+    assert answer.tokens_reconstructed == 0 and answer.spans_expanded == 0
+
+
+def test_span_index_state_dict_round_trip(engine, document_text):
+    cache = _read(engine, document_text, SeKVCompressor(0.75, zoom_tokens=64, rank=4))
+    state = cache.zoom.state_dict()
+    assert all(isinstance(t, torch.Tensor) for t in state.values())
+    again = SpanIndex.from_state_dict(state)
+    selected = (cache.zoom.length > 1).nonzero()[:5, 0]
+    for a, b in zip(
+        cache.zoom.reconstruct(selected, "cpu", torch.float32), again.reconstruct(selected, "cpu", torch.float32)
+    ):
+        assert torch.equal(a, b)
+    assert again.nbytes == cache.zoom.nbytes
+
+
+def test_ratio_zero_keeps_every_token(engine, document_text):
+    cache = _read(engine, document_text, SeKVCompressor(0.0, zoom_tokens=0))
+    assert cache.zoom is None and cache.compression_ratio == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"compression_ratio": 1.0}, "compression_ratio"),
+        ({"zoom_tokens": -1}, "zoom_tokens"),
+        ({"zoom_share": 1.0}, "zoom_share"),
+        ({"rank": 0}, "rank"),
+    ],
+)
+def test_bad_configs_name_the_value(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SeKVCompressor(**kwargs)
+
+
+def test_registry_builds_sekv():
+    assert isinstance(make_compressor("sekv", 0.5), SeKVCompressor)
