@@ -139,6 +139,9 @@ class _SemantiCacheModel(EngineSettings):
             "decode_s": answer.decode_s,
             "tokens_per_s": answer.tokens_per_s,
             "cache_bytes": answer.cache_bytes,
+            "host_bytes": answer.host_bytes,
+            "spans_expanded": answer.spans_expanded,
+            "tokens_reconstructed": answer.tokens_reconstructed,
         }
 
 

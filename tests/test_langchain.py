@@ -328,3 +328,18 @@ def test_stuff_chain_over_the_demo_pdf():
     assert "3.20" in answer
     created = first_usage["input_token_details"]["cache_creation"]
     assert created > 4000 and second_usage["input_token_details"] == {"cache_read": created, "cache_creation": 0}
+
+
+def test_sekv_zoom_is_reported_through_the_stuff_chain(tiny_llama, tiny_tokenizer):
+    from semanticache_rag import Engine, SeKVCompressor
+
+    engine = Engine(tiny_llama, tiny_tokenizer, compressor=SeKVCompressor(0.5, zoom_tokens=64), prefill_chunk=64)
+    chat = ChatSemantiCache.from_engine(engine, max_new_tokens=4)
+    docs = pages()
+    chat.register_document(docs)
+    chain = stuff_chain_factory()(chat, STUFF_PROMPT)
+    chain.invoke({"context": docs, "input": "Who may copy it?"})
+    message = chat.invoke(STUFF_PROMPT.invoke({"context": "\n\n".join(d.page_content for d in docs), "input": "Why?"}))
+    meta = message.response_metadata
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 300
+    assert 0 < meta["tokens_reconstructed"] <= 64 and meta["spans_expanded"] > 0 and meta["host_bytes"] > 0
