@@ -6,6 +6,9 @@ cluster becomes one *semantic core*: size-weighted mean key and value, and its s
 
 Tokens are laid out as a padded (chunks, slots) grid so that one step of the greedy loop runs
 for every head and chunk at once; the loop has as many steps as the longest chunk.
+
+:func:`cluster_seeds` and :func:`semantic_cores` are the batched entry points, over one layer's
+keys (B, H_kv, N, D): the torch twins of :mod:`.gsc_triton`, chosen by :mod:`.dispatch`.
 """
 
 from __future__ import annotations
@@ -42,8 +45,13 @@ class ChunkLayout:
         starts[1:] = chunk_ids[1:] != chunk_ids[:-1]
         chunk_start = starts.nonzero()[:, 0]
         token_chunk = starts.long().cumsum(0) - 1
-        token_slot = torch.arange(chunk_ids.numel()) - chunk_start[token_chunk]
+        token_slot = torch.arange(chunk_ids.numel(), device=chunk_ids.device) - chunk_start[token_chunk]
         return cls(token_chunk, token_slot, chunk_start, int(token_slot.max()) + 1)
+
+    def to(self, device: torch.device | str) -> ChunkLayout:
+        return ChunkLayout(
+            self.token_chunk.to(device), self.token_slot.to(device), self.chunk_start.to(device), self.width
+        )
 
     @property
     def num_chunks(self) -> int:
@@ -80,10 +88,11 @@ def greedy_seed_clustering(
     """
     heads = similarity.shape[0]
     grid_shape = (layout.num_chunks, layout.width)
-    free = torch.zeros(grid_shape, dtype=torch.bool)
+    device = similarity.device
+    free = torch.zeros(grid_shape, dtype=torch.bool, device=device)
     free[layout.token_chunk, layout.token_slot] = ~protected
     unassigned = free.expand(heads, *grid_shape).clone()  # (H, C, W)
-    seed_slot = torch.arange(layout.width).expand(heads, *grid_shape).clone()
+    seed_slot = torch.arange(layout.width, device=device).expand(heads, *grid_shape).clone()
     joins = similarity >= tau[:, None, None, None]
     for p in range(layout.width):
         # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
@@ -96,7 +105,7 @@ def greedy_seed_clustering(
 
 def count_clusters(seeds: torch.Tensor) -> torch.Tensor:
     """Clusters per head: tokens that are their own seed. seeds (H, N) -> (H,)."""
-    return (seeds == torch.arange(seeds.shape[1])).sum(1)
+    return (seeds == torch.arange(seeds.shape[1], device=seeds.device)).sum(1)
 
 
 def merge_clusters(keys: torch.Tensor, values: torch.Tensor, seeds: torch.Tensor):
@@ -117,13 +126,88 @@ def merge_clusters(keys: torch.Tensor, values: torch.Tensor, seeds: torch.Tensor
         Original tokens per core; 0 marks padding.
     """
     heads, num_tokens, dim = keys.shape
-    is_seed = seeds == torch.arange(num_tokens)
+    is_seed = seeds == torch.arange(num_tokens, device=seeds.device)
     entry_of_seed = is_seed.long().cumsum(1) - 1  # (H, N): entry index, valid where is_seed
     entry = entry_of_seed.gather(1, seeds)  # (H, N)
     width = int(is_seed.sum(1).max())
-    sizes = torch.zeros(heads, width).scatter_add_(1, entry, torch.ones(heads, num_tokens))
+    device = keys.device
+    sizes = torch.zeros(heads, width, device=device).scatter_add_(
+        1, entry, torch.ones(heads, num_tokens, device=device)
+    )
     index = entry[..., None].expand(-1, -1, dim)
-    key_sum = torch.zeros(heads, width, dim).scatter_add_(1, index, keys.float())
-    value_sum = torch.zeros(heads, width, dim).scatter_add_(1, index, values.float())
+    key_sum = torch.zeros(heads, width, dim, device=device).scatter_add_(1, index, keys.float())
+    value_sum = torch.zeros(heads, width, dim, device=device).scatter_add_(1, index, values.float())
     denom = sizes.clamp(min=1)[..., None]
     return (key_sum / denom).to(keys.dtype), (value_sum / denom).to(values.dtype), sizes
+
+
+def tau_per_batch(tau: torch.Tensor | float, batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """Thresholds as a float32 (B, H_kv) tensor, from a float, (H_kv,) or (B, H_kv)."""
+    tau = torch.as_tensor(tau, dtype=torch.float32, device=device)
+    if tau.shape not in ((), (heads,), (batch, heads)):
+        raise ValueError(f"tau must be a float, ({heads},) or ({batch}, {heads}), got shape {tuple(tau.shape)}")
+    return tau.expand(batch, heads).contiguous()
+
+
+def cluster_seeds(
+    keys: torch.Tensor, chunk_ids: torch.Tensor, tau: torch.Tensor | float, protected: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GSC of one layer's keys, batched (the torch twin of the Triton clustering kernel).
+
+    Parameters
+    ----------
+    keys : Tensor (B, H_kv, N, D)
+        Post-RoPE keys.
+    chunk_ids : Tensor (B, N) int
+        Chunk of each token; a chunk is a run of equal ids (at most 512 tokens).
+    tau : float or Tensor (H_kv,) or (B, H_kv)
+        Cosine threshold, compared in float32 with the similarity in the keys' dtype.
+    protected : Tensor (B, N) bool, optional
+        Tokens that stay alone.
+
+    Returns
+    -------
+    Tensor (B, H_kv, N) long
+        Token index of the seed of each token's cluster.
+    """
+    batch, heads, num_tokens, _ = keys.shape
+    tau = tau_per_batch(tau, batch, heads, keys.device)
+    if protected is None:
+        protected = torch.zeros(batch, num_tokens, dtype=torch.bool, device=keys.device)
+    seeds = []
+    for b in range(batch):
+        layout = ChunkLayout.from_chunk_ids(chunk_ids[b])
+        seeds.append(greedy_seed_clustering(chunk_similarity(keys[b], layout), layout, tau[b], protected[b]))
+    return torch.stack(seeds)
+
+
+def merge_cores(keys: torch.Tensor, values: torch.Tensor, seeds: torch.Tensor):
+    """:func:`merge_clusters` over a batch: (B, H_kv, N, D) -> cores (B, H_kv, M, D), sizes (B, H_kv, M)."""
+    batch, heads = keys.shape[:2]
+    core_keys, core_values, sizes = merge_clusters(keys.flatten(0, 1), values.flatten(0, 1), seeds.flatten(0, 1))
+    return (
+        core_keys.unflatten(0, (batch, heads)),
+        core_values.unflatten(0, (batch, heads)),
+        sizes.unflatten(0, (batch, heads)),
+    )
+
+
+def semantic_cores(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    chunk_ids: torch.Tensor,
+    tau: torch.Tensor | float,
+    protected: torch.Tensor | None = None,
+):
+    """Cluster one layer's keys (:func:`cluster_seeds`) and merge each cluster into a semantic core.
+
+    Returns
+    -------
+    seeds : Tensor (B, H_kv, N) long
+    keys, values : Tensor (B, H_kv, M, D)
+        Size-weighted mean key and value per core, in seed order, zero-padded to the head with most cores.
+    sizes : Tensor (B, H_kv, M) float32
+        Original tokens per core; 0 marks padding.
+    """
+    seeds = cluster_seeds(keys, chunk_ids, tau, protected)
+    return (seeds, *merge_cores(keys, values, seeds))

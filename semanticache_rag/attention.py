@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from semanticache_rag.kernels.proportional_attention_ref import proportional_attention
+from semanticache_rag.kernels.dispatch import proportional_attention
 
 ATTENTION_NAME = "semanticache_rag"
 _lock = threading.Lock()

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in its CPU interpreter (the `interpret` tests). The mode is fixed
+# when triton is first imported, which transformers does while test modules are collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 CHATML = (

@@ -28,6 +28,7 @@ import torch
 from semanticache_rag.chunking import delimiter_mask, digit_mask, semantic_chunks
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
 from semanticache_rag.kernels.gsc_ref import (
     ChunkLayout,
     chunk_similarity,
@@ -69,6 +70,9 @@ class SemantiCacheCompressor(Compressor):
         Most of the kept entries that anchors may take, in [0, 1].
     search_steps : int
         Bisection steps of the tau search.
+    backend : str
+        Clustering kernel: ``"auto"`` (Triton on CUDA tensors when installed), ``"torch"`` or
+        ``"triton"``; ``value_similarity`` runs on torch only.
     """
 
     name: ClassVar[str] = "semanticache"
@@ -83,6 +87,7 @@ class SemantiCacheCompressor(Compressor):
     protect_digits: bool = True
     value_similarity: bool = False
     search_steps: int = 20
+    backend: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
@@ -94,6 +99,9 @@ class SemantiCacheCompressor(Compressor):
             raise ConfigError("max_chunk_length and search_steps must be >= 1, sink/window tokens >= 0")
         if not 0 <= self.anchor_share <= 1:
             raise ConfigError(f"anchor_share must be in [0, 1], got {self.anchor_share!r}")
+        check_backend(self.backend)
+        if self.value_similarity and self.backend == "triton":
+            raise ConfigError('value_similarity runs on the torch backend only; use backend="auto" or "torch"')
 
     @property
     def needs_surprisal(self) -> bool:  # type: ignore[override]
@@ -159,22 +167,37 @@ class SemantiCacheCompressor(Compressor):
         num_tokens = keys.shape[2]
         if plan.target >= num_tokens and self.tau is None:  # ratio 0 (or a budget of the whole document)
             return LayerKV(keys, values)
-        similarity = chunk_similarity(keys[0], plan.layout)
-        if self.value_similarity:
-            similarity = torch.minimum(similarity, chunk_similarity(values[0], plan.layout))
-        tau = self._search_tau(similarity, plan) if self.tau is None else torch.full((keys.shape[1],), self.tau)
-        seeds = greedy_seed_clustering(similarity, plan.layout, tau, plan.protected)
+        cluster = self._clustering(keys, values, plan)
+        if self.tau is None:
+            seeds = cluster(self._search_tau(cluster, keys.shape[1], plan))
+        else:
+            seeds = cluster(torch.full((keys.shape[1],), self.tau))
         core_keys, core_values, sizes = merge_clusters(keys[0], values[0], seeds)
         dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
         return LayerKV(core_keys[None], core_values[None], sizes.to(dtype)[None])
 
-    def _search_tau(self, similarity: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def _clustering(self, keys: torch.Tensor, values: torch.Tensor, plan: _Plan):
+        """This layer's clustering, ``tau (H_kv,) -> seeds (H_kv, N)``.
+
+        The torch grid computes the similarity once for every tau; the Triton kernel recomputes it
+        from the keys in each call and keeps no (H, C, W, W) grid in memory.
+        """
+        device = keys.device
+        if self.value_similarity or resolve_backend(self.backend, keys) == "torch":
+            layout, protected = plan.layout.to(device), plan.protected.to(device)
+            similarity = chunk_similarity(keys[0], layout)
+            if self.value_similarity:
+                similarity = torch.minimum(similarity, chunk_similarity(values[0], layout))
+            return lambda tau: greedy_seed_clustering(similarity, layout, tau.to(device), protected)
+        chunk_ids, protected = plan.layout.token_chunk[None].to(device), plan.protected[None].to(device)
+        return lambda tau: cluster_seeds(keys, chunk_ids, tau.to(device), protected, backend="triton")[0]
+
+    def _search_tau(self, cluster, heads: int, plan: _Plan) -> torch.Tensor:
         """Per head, the largest tau whose clustering keeps at most ``plan.target`` entries."""
-        heads = similarity.shape[0]
         low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
         for _ in range(self.search_steps):
             middle = (low + high) / 2
-            counts = count_clusters(greedy_seed_clustering(similarity, plan.layout, middle, plan.protected))
+            counts = count_clusters(cluster(middle)).cpu()
             fits = counts <= plan.target
             low, high = torch.where(fits, middle, low), torch.where(fits, high, middle)
         return low
