@@ -293,12 +293,12 @@ class SeKVCompressor(Compressor):
         if plan.start.numel() == keys.shape[2]:
             return LayerKV(keys, values)
         entries = plan.start.numel()
-        index = plan.entry_of_token.to(keys.device)
-        denom = plan.length.to(keys.device, torch.float32)[None, None, :, None]
+        start, end = plan.start.to(keys.device), (plan.start + plan.length).to(keys.device)
+        denom = plan.length.to(keys.device, torch.float64)[None, None, :, None]
         summary = []
-        for x in (keys, values):
-            sums = x.new_zeros(*x.shape[:2], entries, x.shape[3], dtype=torch.float32).index_add_(2, index, x.float())
-            summary.append((sums / denom).to(x.dtype))
+        for x in (keys, values):  # span sums as differences of a float64 prefix sum (exact enough for one token)
+            prefix = torch.nn.functional.pad(x.double().cumsum(2), (0, 0, 1, 0))
+            summary.append(((prefix[:, :, end] - prefix[:, :, start]) / denom).to(x.dtype))
         dtype = torch.int16 if int(plan.length.max()) < 2**15 else torch.int32
         sizes = plan.length.to(keys.device, dtype).expand(1, keys.shape[1], entries).contiguous()
         return LayerKV(summary[0], summary[1], sizes)
