@@ -1,8 +1,9 @@
 """One entry point per kernel: the torch twin or the Triton kernel, by ``backend``.
 
-``backend="auto"`` runs Triton on CUDA tensors when triton is installed and torch otherwise,
-silently; ``"torch"`` always runs the torch twin (the CPU product path); ``"triton"`` runs the
-kernel or raises a :class:`~semanticache_rag.errors.ConfigError` that says why it cannot.
+``backend="auto"`` runs Triton on CUDA tensors (NVIDIA, compute capability 8.0 or newer) when
+triton is installed and torch otherwise, silently; ``"torch"`` always runs the torch twin (the CPU
+product path); ``"triton"`` runs the kernel or raises a :class:`~semanticache_rag.errors.ConfigError`
+that says why it cannot.
 Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (tests; slow), when forced.
 
 This module never imports triton itself: the ``*_triton`` modules are imported on first use,
@@ -37,6 +38,12 @@ def triton_installed() -> bool:
         return False
 
 
+@functools.cache
+def _supported_gpu(device_index: int) -> bool:
+    """NVIDIA, Ampere or newer (bf16 and tf32 dots): where ``"auto"`` picks the Triton kernels."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -48,7 +55,8 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        return "triton" if tensor.is_cuda and triton_installed() else "torch"
+        use_triton = tensor.is_cuda and triton_installed() and _supported_gpu(tensor.get_device())
+        return "triton" if use_triton else "torch"
     if not triton_installed():
         raise ConfigError('backend="triton" needs the triton package: pip install "semanticache-rag[triton]"')
     if not tensor.is_cuda and not interpreting():
