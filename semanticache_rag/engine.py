@@ -220,7 +220,7 @@ class Engine:
         """
         if self.store is None:
             return self.compress(self.prefill(source, progress=progress))
-        document = load_document(source)
+        document = self.store.load_document(source)  # skips text extraction for a file read before
         return self.store.fetch(self, document, lambda: self.compress(self.prefill(document, progress=progress)))
 
     def prefill(self, source, *, progress: bool = True, surprisal: bool | None = None) -> Prefill:

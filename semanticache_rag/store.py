@@ -4,7 +4,7 @@ Reading a document is the expensive step; a :class:`DocumentStore` keeps what an
 so that ``engine.read(path)`` on a document read before (by this process or another) loads the
 compressed cache instead of reading the document again.
 
-- **Keys.** An entry is found by its :class:`~semanticache_rag.store_format.CacheKey` (document
+- **Keys.** An entry is found by its :class:`~semanticache_rag.store_key.CacheKey` (document
   content and page map, model identity, compressor configuration, format and package version);
   its id, the key's SHA-256, is the only thing that names files. Ids that users type are checked
   to be hex before they come near a path.
@@ -31,7 +31,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from filelock import FileLock
 from safetensors.torch import save as save_tensors
 
 from semanticache_rag.documents import Document
@@ -39,16 +38,20 @@ from semanticache_rag.engine import DocumentCache
 from semanticache_rag.errors import ConfigError, StoreError
 from semanticache_rag.models import home_dir
 from semanticache_rag.store_format import (
+    ENTRY_ID,
     LOAD_ERRORS,
-    TMP_PREFIX,
-    CacheKey,
     EntryRejected,
     atomic_write,
     build_manifest,
     cache_tensors,
     check_manifest,
+    entry_lock,
+    is_locked,
     load_cache,
+    load_document_text,
+    remove_leftovers,
 )
+from semanticache_rag.store_key import CacheKey
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,6 @@ DEFAULT_MEMORY_BUDGET = 2 * 2**30  # ~7 full caches of a 6K-token document on th
 DEFAULT_DISK_BUDGET = 10 * 2**30
 LEFTOVER_AGE_S = 3600  # temporary and orphaned files older than this are left by a crash
 LOCK_TIMEOUT_S = 1800.0  # then read the document without the lock rather than wait forever
-_ID = re.compile(r"[0-9a-f]{64}")
 _ID_PREFIX = re.compile(r"[0-9a-f]{4,64}")
 
 
@@ -148,6 +150,15 @@ class DocumentStore:
 
     # -- reading through the store --------------------------------------------------------
 
+    def load_document(self, source) -> Document:
+        """:func:`~semanticache_rag.documents.load_document`, without extracting a file's text twice.
+
+        The text and page map of every file read through the store are kept under ``documents/``,
+        named by the SHA-256 of the file's bytes: re-opening a long PDF costs a hash, not pypdf
+        (~0.1 s per page on a CPU).
+        """
+        return load_document_text(self.directory / "documents", source)
+
     def key(self, engine, document: Document) -> CacheKey:
         """The key under which ``engine.read(document)`` is stored."""
         return CacheKey.for_read(engine, document, memo=self.directory / "weights.json")
@@ -157,7 +168,9 @@ class DocumentStore:
         key = self.key(engine, document)
         cache = self._from_memory(key.id)
         if cache is None:
-            with self._entry_lock(key.id):  # another process reading this document: wait for its entry
+            with entry_lock(
+                self._lock_path(key.id), self.lock_timeout_s
+            ):  # another process reading this document: wait for its entry
                 cache = self._from_disk(key, document, engine)
                 if cache is None:
                     self.stats.misses += 1
@@ -206,7 +219,7 @@ class DocumentStore:
     # -- disk tier ------------------------------------------------------------------------
 
     def _paths(self, entry_id: str) -> tuple[Path, Path]:
-        if not isinstance(entry_id, str) or not _ID.fullmatch(entry_id):
+        if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
             raise ConfigError(f"invalid cache id {entry_id!r}: expected 64 hex digits")
         return self.directory / f"{entry_id}.json", self.directory / f"{entry_id}.safetensors"
 
@@ -296,30 +309,9 @@ class DocumentStore:
             self._warned.add(what)
             logger.warning(message)
 
-    @contextlib.contextmanager
-    def _entry_lock(self, entry_id: str):
-        lock = None
-        try:
-            (self.directory / ".locks").mkdir(parents=True, exist_ok=True)
-            lock = FileLock(self.directory / ".locks" / f"{entry_id}.lock", timeout=self.lock_timeout_s)
-            lock.acquire()
-        except OSError as exc:  # read-only store or timeout: correctness never depends on the lock
-            logger.debug("reading without the store lock: %s", exc)
-            lock = None
-        try:
-            yield
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _is_locked(self, entry_id: str) -> bool:
-        lock = FileLock(self.directory / ".locks" / f"{entry_id}.lock", timeout=0)
-        try:
-            lock.acquire()
-        except OSError:
-            return True
-        lock.release()
-        return False
+    def _lock_path(self, entry_id: str) -> Path:
+        self._paths(entry_id)  # checks the id
+        return self.directory / ".locks" / f"{entry_id}.lock"
 
     def _enforce_disk_budget(self, keep: str, name: str) -> None:
         self._remove_leftovers(LEFTOVER_AGE_S)
@@ -329,7 +321,7 @@ class DocumentStore:
         for entry in sorted(entries, key=lambda e: (e.id == keep, e.last_used)):
             if total <= self.disk_budget_bytes:
                 break
-            if entry.id != keep and self._is_locked(entry.id):
+            if entry.id != keep and is_locked(self._lock_path(entry.id)):
                 continue
             with contextlib.suppress(OSError):
                 self._delete(entry.id, memory=False)  # evicted from disk, not from this process's memory
@@ -339,15 +331,8 @@ class DocumentStore:
                     logger.warning("The cache of %s (%.1f MiB) exceeds the disk budget (%.1f MiB)", name, size, budget)
 
     def _remove_leftovers(self, older_than_s: float) -> None:
-        """Delete temporary files and tensor files without a manifest left by crashed writers."""
-        cutoff = time.time() - older_than_s
-        with contextlib.suppress(OSError):
-            for path in self.directory.iterdir():
-                orphan = path.suffix == ".safetensors" and not path.with_suffix(".json").exists()
-                if path.name.startswith(TMP_PREFIX) or (orphan and _ID.fullmatch(path.stem)):
-                    with contextlib.suppress(OSError):
-                        if path.stat().st_mtime < cutoff:
-                            path.unlink()
+        last_used = min([e.last_used for e in self.entries()] + [time.time()])
+        remove_leftovers(self.directory, older_than_s, last_used)
 
     # -- listing and removing -------------------------------------------------------------
 
@@ -356,7 +341,7 @@ class DocumentStore:
         found = []
         with contextlib.suppress(OSError):
             for path in self.directory.glob("*.json"):
-                if _ID.fullmatch(path.stem):
+                if ENTRY_ID.fullmatch(path.stem):
                     with contextlib.suppress(OSError):
                         found.append(self._entry(path.stem))
         return sorted(found, key=lambda e: e.last_used)

@@ -1,6 +1,7 @@
-"""What a stored document cache is made of: its key, and its tensors and manifest on disk.
+"""What a document cache store keeps on disk, and how it is written and read back safely.
 
-A cache is stored as two files named by its id, the hex SHA-256 of its :class:`CacheKey`:
+A cache is stored as two files named by its id, the hex SHA-256 of its
+:class:`~semanticache_rag.store_key.CacheKey`:
 
 - ``<id>.safetensors``: the tensors (safetensors, so loading a file can never run code):
   ``prefix_ids``, ``token_pages``, ``layers.<i>.keys`` / ``.values`` / ``.sizes`` and, for
@@ -10,6 +11,8 @@ A cache is stored as two files named by its id, the hex SHA-256 of its :class:`C
 
 Loading checks the manifest's key against the wanted one, the tensor file against the checksum
 and the tensors against the model's shape; anything else raises :class:`EntryRejected`.
+``documents/<digest>.json`` keeps the text and page map extracted from a file, named by the
+SHA-256 of the file's bytes, so that re-opening a long PDF skips text extraction.
 """
 
 from __future__ import annotations
@@ -17,26 +20,34 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import math
 import os
+import re
 import tempfile
 import time
-import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from filelock import FileLock
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 
-from semanticache_rag.documents import Document
+from semanticache_rag.documents import Document, Page, load_document
 from semanticache_rag.engine import DocumentCache
 from semanticache_rag.kv import LayerKV
+
+if TYPE_CHECKING:
+    from semanticache_rag.store_key import CacheKey
+
+logger = logging.getLogger("semanticache_rag.store")
 
 FORMAT_NAME = "semanticache-rag document cache"
 FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp-"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+ENTRY_ID = re.compile(r"[0-9a-f]{64}")  # the only names entry files have
 
 # Everything that a corrupt, truncated, mismatched or hand-made entry can raise while loading.
 LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError, ImportError, SafetensorError)
@@ -50,149 +61,6 @@ def package_version() -> str:
     import semanticache_rag  # here, not at import: this module is imported while the package initialises
 
     return semanticache_rag.__version__
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything a document cache depends on; equal keys give interchangeable caches.
-
-    Attributes
-    ----------
-    document_sha256 : str
-        :attr:`Document.sha256` of the document's text.
-    pages_sha256 : str
-        Digest of the page map (page starts, ends and labels), which ``token_pages`` depends on.
-    model_name : str
-        The engine's model name (reported in answers).
-    model : str
-        Digest of the model identity: weights, config, dtype, tokenizer, prompt head, prefill chunk
-        (see :func:`model_identity`).
-    compressor : str
-        ``repr`` of the compressor dataclass: its name and full configuration.
-    format_version, package_version
-        Of the package that wrote the entry; another version never loads it.
-    """
-
-    document_sha256: str
-    pages_sha256: str
-    model_name: str
-    model: str
-    compressor: str
-    format_version: int = FORMAT_VERSION
-    package_version: str = field(default_factory=package_version)
-
-    @property
-    def id(self) -> str:
-        """Hex SHA-256 of the key: the entry's file name (never a user or document string)."""
-        return _digest(json.dumps(asdict(self), sort_keys=True))
-
-    @classmethod
-    def for_read(cls, engine, document: Document, memo: Path | None = None) -> CacheKey:
-        """The key of ``engine.read(document)`` (``memo``: see :func:`model_identity`)."""
-        pages = [[p.number, p.label, p.start, p.end] for p in document.pages]
-        identity = model_identity(engine, memo)
-        return cls(document.sha256, _digest(json.dumps(pages)), engine.model_name, identity, repr(engine.compressor))
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-# -- model identity ---------------------------------------------------------------------------
-
-_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def model_identity(engine, memo: Path | None = None) -> str:
-    """Digest of what makes ``engine``'s caches: computed once per engine.
-
-    Weights are hashed from the model's files on disk when it was loaded from a local directory
-    (SHA-256 of each weight file, memoised in ``memo`` by path, size and modification time, so a
-    process pays it once per model file, ~0.7 s for the default model's 540 MB); otherwise from
-    the in-memory state dict (names, dtypes, shapes, bytes). Config, dtype, tokenizer, prompt head
-    and prefill chunk size are part of the identity too: each changes the cached keys and values.
-    """
-    if engine in _IDENTITIES:
-        return _IDENTITIES[engine]
-    model, tokenizer = engine.model, engine.tokenizer
-    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    parts = {
-        "class": type(model).__name__,
-        "dtype": str(model.dtype),
-        "config": config,
-        "weights": weights_digest(model, memo),
-        "tokenizer": _digest(vocab),
-        "head": engine.prompt.head,
-        "prefill_chunk": engine.prefill_chunk,
-    }
-    identity = _digest(json.dumps(parts, sort_keys=True, default=str))
-    _IDENTITIES[engine] = identity
-    return identity
-
-
-def weights_digest(model, memo: Path | None = None) -> str:
-    """SHA-256 of the model's weight files (see :func:`model_identity`), else of its state dict."""
-    name = str(getattr(model.config, "_name_or_path", "") or "")
-    folder = Path(name).expanduser()
-    try:
-        files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES) if name and folder.is_dir() else []
-        if files:
-            return _files_digest(files, memo)
-    except OSError:  # an unreadable model folder: hash the weights in memory instead
-        pass
-    return _state_dict_digest(model)
-
-
-def _files_digest(files: list[Path], memo: Path | None) -> str:
-    known = _read_memo(memo)
-    digests = {}
-    for path in files:
-        stat, name = path.stat(), str(path.resolve())
-        entry = known.get(name)
-        if not isinstance(entry, dict) or (entry.get("size"), entry.get("mtime_ns")) != (
-            stat.st_size,
-            stat.st_mtime_ns,
-        ):
-            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _file_digest(path)}
-            known[name] = entry
-        digests[path.name] = entry["sha256"]
-    _write_memo(memo, known)
-    return _digest(json.dumps(digests, sort_keys=True))
-
-
-def _state_dict_digest(model) -> str:
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _read_memo(memo: Path | None) -> dict:
-    try:
-        known = json.loads(memo.read_text()) if memo is not None else {}
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
-
-
-def _write_memo(memo: Path | None, known: dict) -> None:
-    if memo is not None and known != _read_memo(memo):
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(memo, json.dumps(known, indent=1).encode())
-        except OSError:  # a read-only store: hash again next time
-            pass
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -212,6 +80,128 @@ def atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def entry_lock(path: Path, timeout_s: float):
+    """Hold the file lock at ``path`` (waiting at most ``timeout_s``), or go on without it when it
+    cannot be had (read-only store, timeout): correctness never depends on the lock, only the
+    work done once does."""
+    lock = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path, timeout=timeout_s)
+        lock.acquire()
+    except OSError as exc:
+        logger.debug("going on without the lock %s: %s", path, exc)
+        lock = None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def is_locked(path: Path) -> bool:
+    """Whether another reader holds the file lock at ``path`` right now."""
+    lock = FileLock(path, timeout=0)
+    try:
+        lock.acquire()
+    except OSError:
+        return True
+    lock.release()
+    return False
+
+
+def remove_leftovers(directory: Path, older_than_s: float, last_used: float) -> None:
+    """Delete what crashed writers left (temporary files, tensor files without a manifest) and
+    extracted texts unused since well before ``last_used`` (the least recently used entry's use)."""
+    cutoff = time.time() - older_than_s
+    for folder in (directory, directory / "documents"):
+        with contextlib.suppress(OSError):
+            for path in folder.iterdir():
+                if path.name.startswith(TMP_PREFIX):
+                    stale = cutoff
+                elif folder != directory:  # an extracted text
+                    stale = last_used - older_than_s if path.suffix == ".json" else -math.inf
+                else:
+                    orphan = path.suffix == ".safetensors" and not path.with_suffix(".json").exists()
+                    stale = cutoff if orphan and ENTRY_ID.fullmatch(path.stem) else -math.inf
+                with contextlib.suppress(OSError):
+                    if path.stat().st_mtime < stale:
+                        path.unlink()
+
+
+# -- extracted documents ----------------------------------------------------------------------
+
+
+def load_document_text(folder: Path, source) -> Document:
+    """:func:`~semanticache_rag.documents.load_document`, keeping what was extracted from a file in
+    ``folder`` and reusing it when a file with the same bytes is opened again."""
+    path = _existing_file(source)
+    try:
+        data = path.read_bytes() if path is not None else None
+    except OSError:
+        data = None
+    if path is None or data is None:
+        return load_document(source)
+    record = folder / f"{source_digest(data)}.json"
+    try:
+        stored = record.read_bytes()
+    except OSError:  # never extracted, or an unreadable store
+        stored = None
+    try:
+        if stored is not None:
+            document = document_from_record(stored, path)
+            with contextlib.suppress(OSError):
+                os.utime(record)  # last use, for clean-up
+            return document
+    except (EntryRejected, *LOAD_ERRORS) as exc:
+        logger.warning("Ignoring the stored text of %s (%s); extracting it again", path.name, exc)
+        with contextlib.suppress(OSError):
+            record.unlink()
+    document = load_document(path)
+    with contextlib.suppress(OSError):  # a read-only store extracts every time
+        if path.read_bytes() == data:  # unchanged while it was extracted
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(record, document_record(document))
+    return document
+
+
+def _existing_file(source) -> Path | None:
+    """``source`` as a path when :func:`load_document` would read it as a file."""
+    if isinstance(source, str) and ("\n" in source or len(source) >= 4096):
+        return None
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    try:
+        path = Path(source).expanduser()
+        return path if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def source_digest(data: bytes) -> str:
+    """Name of the extracted-text record of a file with these bytes (extraction depends on the version)."""
+    return hashlib.sha256(data + f"\0{FORMAT_VERSION}\0{package_version()}".encode()).hexdigest()
+
+
+def document_record(document: Document) -> bytes:
+    """What re-opening the same file needs instead of extracting its text again."""
+    pages = [[p.number, p.label, p.start, p.end] for p in document.pages]
+    record = {"sha256": document.sha256, "extractor": document.extractor, "pages": pages, "text": document.text}
+    return json.dumps(record, ensure_ascii=False).encode()
+
+
+def document_from_record(data: bytes, path: Path) -> Document:
+    """The :class:`Document` of a record, named after ``path``; :class:`EntryRejected` unless intact."""
+    record = json.loads(data)
+    text, pages = record["text"], tuple(Page(int(n), str(label), int(a), int(b)) for n, label, a, b in record["pages"])
+    if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != record["sha256"]:
+        raise EntryRejected("extracted text does not match its checksum")
+    if not pages or any(not 0 <= p.start <= p.end <= len(text) for p in pages):
+        raise EntryRejected("page map outside the text")
+    return Document(text, pages, path.name, str(path.resolve()), record["sha256"], str(record["extractor"]))
 
 
 # -- cache <-> tensors + manifest -----------------------------------------------------------

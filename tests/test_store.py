@@ -48,7 +48,7 @@ def answer(engine, cache) -> str:
 
 
 def entry_files(store_dir):
-    return sorted(p.name for p in store_dir.iterdir() if not p.name.startswith("."))
+    return sorted(p.name for p in store_dir.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 def assert_same_cache(a, b):
@@ -234,7 +234,7 @@ def test_unwritable_store_still_answers(engine, document_text, caplog, monkeypat
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr("semanticache_rag.store.atomic_write", refuse)
-    monkeypatch.setattr("semanticache_rag.store.FileLock", refuse)
+    monkeypatch.setattr("semanticache_rag.store_format.FileLock", refuse)
     with caplog.at_level(logging.WARNING, logger="semanticache_rag.store"):
         for text in (document_text, document_text[:1000]):
             assert answer(engine, engine.read(text, progress=False))
@@ -284,6 +284,50 @@ def test_leftovers_of_a_crashed_writer_are_removed(engine, document_text):
     assert len(entry_files(directory)) == 3  # recent: maybe a writer at work
     engine.store._remove_leftovers(0)
     assert len(entry_files(directory)) == 2 and not (directory / ".tmp-half.tmp").exists()
+
+
+# -- extracted text -------------------------------------------------------------------------
+
+
+def test_reopened_file_skips_text_extraction(store_dir, tmp_path, monkeypatch, caplog):
+    from importlib import resources
+
+    store = DocumentStore(store_dir)
+    with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
+        data = pdf.read_bytes()
+    first_path, second_path = tmp_path / "guide.pdf", tmp_path / "renamed.pdf"
+    first_path.write_bytes(data)
+    second_path.write_bytes(data)
+    first = store.load_document(first_path)
+
+    def no_extraction(source):
+        raise AssertionError("extracted again")
+
+    monkeypatch.setattr("semanticache_rag.store_format.load_document", no_extraction)
+    again = DocumentStore(store_dir).load_document(str(second_path))
+    assert (again.text, again.pages, again.sha256, again.extractor) == (
+        first.text,
+        first.pages,
+        first.sha256,
+        first.extractor,
+    )
+    assert again.name == "renamed.pdf" and again.source == str(second_path.resolve())
+    monkeypatch.undo()
+    (record,) = (store_dir / "documents").iterdir()
+    record.write_text(record.read_text().replace("Cyrillic", "Latin", 1))  # text no longer matches its hash
+    with caplog.at_level(logging.WARNING, logger="semanticache_rag.store"):
+        assert DocumentStore(store_dir).load_document(first_path) == first
+    assert "Ignoring the stored text of guide.pdf" in caplog.text
+    first_path.write_bytes(data + b"\n")  # other bytes: another record
+    store.load_document(first_path)
+    assert len(list((store_dir / "documents").iterdir())) == 2
+
+
+def test_text_and_documents_are_not_recorded(store_dir, document_text):
+    store = DocumentStore(store_dir)
+    doc = document_from_text(document_text)
+    assert store.load_document(doc) is doc and store.load_document(document_text) == doc
+    assert not store_dir.exists()
 
 
 # -- budgets --------------------------------------------------------------------------------
