@@ -93,7 +93,8 @@ def greedy_seed_clustering(
     free[layout.token_chunk, layout.token_slot] = ~protected
     unassigned = free.expand(heads, *grid_shape).clone()  # (H, C, W)
     seed_slot = torch.arange(layout.width, device=device).expand(heads, *grid_shape).clone()
-    joins = similarity >= tau[:, None, None, None]
+    # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
+    joins = (similarity >= tau[:, None, None, None]) | torch.eye(layout.width, dtype=torch.bool, device=device)
     for p in range(layout.width):
         # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
         members = unassigned & joins[:, :, p, :] & unassigned[:, :, p, None]

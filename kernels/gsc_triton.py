@@ -66,7 +66,8 @@ def _gsc_kernel(
         similarity = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     similarity = similarity.to(SIM_DTYPE).to(tl.float32)
     tau = tl.load(tau_ptr + batch * stride_tb + head * stride_th)
-    joins = similarity >= tau  # joins[p, j]: token j joins a cluster seeded by p
+    # joins[p, j]: token j joins a cluster seeded by p; a seed always joins its own (as the torch twin)
+    joins = (similarity >= tau) | (slots[:, None] == slots[None, :])
 
     # -- the greedy loop, restated: p *acts* as a seed at its step iff it is free (in the chunk,
     # not protected) and no earlier acting seed q < p has joins[q, p]; a free token's seed is

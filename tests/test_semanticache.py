@@ -144,3 +144,12 @@ def test_registry_builds_by_name():
     assert make_compressor("streaming_llm", 0.5).compression_ratio == 0.5
     with pytest.raises(ConfigError, match="unknown compression"):
         make_compressor("zip")
+
+
+def test_a_seed_joins_its_own_cluster_even_below_tau():
+    # Rounding can put a key's self-similarity just below tau while a later key's similarity to it
+    # is above: the first token must still be its own seed, not absorbed by a later one.
+    layout = ChunkLayout.from_chunk_ids(torch.zeros(3, dtype=torch.long))
+    similarity = torch.tensor([[0.89, 0.5, 0.5], [0.91, 1.0, 0.5], [0.5, 0.5, 1.0]])[None, None]
+    seeds = greedy_seed_clustering(similarity, layout, torch.tensor([0.9]), torch.zeros(3, dtype=torch.bool))
+    assert seeds.tolist() == [[0, 1, 2]]
