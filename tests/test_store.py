@@ -89,23 +89,26 @@ def test_memory_hit_and_renamed_file(engine, document_text, tmp_path):
     assert engine.store.stats.memory_hits == 2 and len(entry_files(engine.store.directory)) == 2
 
 
-def test_key_covers_model_compressor_prompt_and_chunking(tiny_llama, tiny_model, tiny_tokenizer, store_dir):
+def test_key_covers_model_compressor_prompt_and_chunking(tiny_tokenizer, store_dir):
+    from conftest import _tiny_model
+
     doc = document_from_text("The licensee may copy the work.")
-    base = make_engine(tiny_llama, tiny_tokenizer, store_dir)
+    llama = _tiny_model("llama", len(tiny_tokenizer))
+    base = make_engine(llama, tiny_tokenizer, store_dir)
     others = [
-        make_engine(tiny_llama, tiny_tokenizer, store_dir, SemantiCacheCompressor(0.5)),
-        make_engine(tiny_llama, tiny_tokenizer, store_dir, SemantiCacheCompressor(0.75)),
-        Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=32, store=base.store),
-        Engine(tiny_llama, tiny_tokenizer, model_name="tiny", system_prompt="Be brief.", store=base.store),
+        make_engine(llama, tiny_tokenizer, store_dir, SemantiCacheCompressor(0.5)),
+        make_engine(llama, tiny_tokenizer, store_dir, SemantiCacheCompressor(0.75)),
+        Engine(llama, tiny_tokenizer, model_name="tiny", prefill_chunk=32, store=base.store),
+        Engine(llama, tiny_tokenizer, model_name="tiny", system_prompt="Be brief.", store=base.store),
+        make_engine(_tiny_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer, store_dir),
     ]
-    ids = {base.store.key(e, doc).id for e in [base, *others]}
-    assert len(ids) == 5
-    same_weights = type(tiny_model) is type(tiny_llama)  # another object with the same weights, or a Qwen2
-    assert (base.store.key(make_engine(tiny_model, tiny_tokenizer, store_dir), doc) == base.store.key(base, doc)) == (
-        same_weights
-    )
+    assert len({base.store.key(e, doc).id for e in [base, *others]}) == 6
+    twin = make_engine(_tiny_model("llama", len(tiny_tokenizer)), tiny_tokenizer, store_dir)  # equal weights
+    assert base.store.key(twin, doc) == base.store.key(base, doc) == base.store.key(fresh(base), doc)
+    with torch.no_grad():
+        twin.model.lm_head.weight[0, 0] += 1e-3
+    assert base.store.key(make_engine(twin.model, tiny_tokenizer, store_dir), doc) != base.store.key(base, doc)
     assert base.store.key(base, document_from_text("Other text.")) != base.store.key(base, doc)
-    assert base.store.key(base, doc) == base.store.key(fresh(base), doc)
 
 
 # -- fault injection ------------------------------------------------------------------------
