@@ -26,6 +26,7 @@ from benchmarks.report import environment, markdown_table, mean_of, score_vs_rat
 from benchmarks.ruler_tasks import TASKS, build, score
 from semanticache_rag import (
     Engine,
+    KaizenCompressor,
     NoCompression,
     SeKVCompressor,
     SemantiCacheCompressor,
@@ -39,17 +40,23 @@ RESULTS = Path(__file__).parent / "results"
 KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "chunkkv")
 
 
-OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm")
+OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm", "kaizen", "kaizen+semanticache")
 
 
 def our_methods(ratios, methods=OUR_METHODS):
     """(method, ratio, compressor) for every compressor of this package.
 
     ``ratio`` is the device budget for all of them: SeKV's summary and per-question expansion
-    together stay within it.
+    together stay within it; Kaizen's is in bytes (alone, and storing SemantiCache's cores).
     """
     yield "full", 0.0, NoCompression()
-    makers = {"semanticache": SemantiCacheCompressor, "sekv": SeKVCompressor, "streaming_llm": StreamingLLMCompressor}
+    makers = {
+        "semanticache": SemantiCacheCompressor,
+        "sekv": SeKVCompressor,
+        "streaming_llm": StreamingLLMCompressor,
+        "kaizen": KaizenCompressor,
+        "kaizen+semanticache": lambda ratio: KaizenCompressor(ratio, inner="semanticache"),
+    }
     for ratio in ratios:
         for method in methods:
             if method in makers:

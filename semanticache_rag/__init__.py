@@ -3,6 +3,7 @@
 from semanticache_rag.compressors import (
     COMPRESSORS,
     Compressor,
+    KaizenCompressor,
     NoCompression,
     SeKVCompressor,
     SemantiCacheCompressor,
@@ -31,6 +32,7 @@ __all__ = [
     "DocumentStore",
     "Engine",
     "GenerationOptions",
+    "KaizenCompressor",
     "ModelLoadError",
     "NoCompression",
     "Page",

@@ -4,6 +4,11 @@
 transformers ``Cache`` whose layers keep a reference to the document's ``LayerKV`` and append
 the question, answer and chat tokens in a buffer of their own, so that many questions share one
 document cache and none of them can change it.
+
+``CodedLayerKV`` and ``SharedLayerKV`` are layers whose storage really shrinks (KV-Kaizen): keys
+and values kept quantised, low-rank or in half precision, or not kept at all because the layer
+attends to its neighbour's cache. They expose the same ``keys``, ``values``, ``sizes``,
+``log_sizes``, ``nbytes`` and ``num_entries`` as ``LayerKV``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class LayerKV:
     @property
     def log_sizes(self) -> torch.Tensor | None:
         """``log s`` per entry, ``-inf`` for padding (the proportional-attention bias)."""
-        return None if self.sizes is None else self.sizes.float().log()
+        return _log_sizes(self.sizes)
 
     @property
     def nbytes(self) -> int:
@@ -45,9 +50,226 @@ class LayerKV:
     @property
     def num_entries(self) -> int:
         """Real (non-padding) entries summed over the KV heads."""
-        if self.sizes is None:
-            return self.keys.shape[1] * self.keys.shape[2]
-        return int((self.sizes > 0).sum())
+        return _num_entries(self.sizes, self.keys.shape)
+
+
+def _log_sizes(sizes: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sizes is None else sizes.float().log()
+
+
+def _num_entries(sizes: torch.Tensor | None, shape: torch.Size) -> int:
+    return shape[1] * shape[2] if sizes is None else int((sizes > 0).sum())
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def half_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit float type coded tensors store: ``dtype`` itself when it has 16 bits, else float16."""
+    return dtype if dtype.itemsize <= 2 else torch.float16
+
+
+def _fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
+    """``x`` (fp32) rounded to fp16, one step further toward ``direction`` (+-inf) where needed.
+
+    So that ``result <= x`` (``direction=-inf``) or ``result >= x`` (``+inf``): the quantisation
+    range then covers every element, and no code is clipped.
+    """
+    half = x.half()
+    wrong = half.float() > x if direction < 0 else half.float() < x
+    return torch.where(wrong, torch.nextafter(half, torch.full_like(half, direction)), half)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A (1, H, L, D) tensor as ``bits``-bit codes with an fp16 scale and minimum per group along D.
+
+    Asymmetric quantisation per group of ``group_size`` channels of one entry:
+    ``x ~ code * scale + minimum`` with ``scale = (max - min) / (2**bits - 1)``, so every element is
+    within ``scale / 2`` of its value (at 8 bits that is at most ``absmax / 127 / 2``). The minimum
+    is rounded down and the scale up to fp16, so the bound holds for the stored values. 4-bit
+    codes are packed two per byte (KIVI, Liu et al. 2024, https://arxiv.org/abs/2402.02750, uses
+    the same per-group layout).
+
+    Attributes
+    ----------
+    codes : Tensor (1, H, L, D) uint8, or (1, H, L, D / 2) when ``bits`` is 4
+    scales, minimums : Tensor (1, H, L, D / group_size) float16
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor
+    bits: int
+    dtype: torch.dtype
+
+    @classmethod
+    def encode(cls, x: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
+        if bits not in (4, 8) or x.shape[-1] % group_size or group_size % 2:
+            raise ValueError(f"bits must be 4 or 8 and an even group_size must divide {x.shape[-1]}")
+        levels = 2**bits - 1
+        groups = x.float().unflatten(-1, (-1, group_size))  # (1, H, L, D / G, G)
+        minimums = _fp16_toward(groups.amin(-1), float("-inf"))
+        scales = _fp16_toward((groups.amax(-1) - minimums.float()) / levels, float("inf"))
+        safe = torch.where(scales > 0, scales.float(), 1.0)
+        codes = ((groups - minimums.float()[..., None]) / safe[..., None]).round_().clamp_(0, levels)
+        codes = codes.to(torch.uint8).flatten(-2)
+        if bits == 4:  # two codes per byte: even channels in the low nibble
+            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return cls(codes, scales, minimums, bits, x.dtype)
+
+    def decode(self) -> torch.Tensor:
+        codes = self.codes
+        if self.bits == 4:
+            codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+        groups = codes.unflatten(-1, (self.scales.shape[-1], -1)).float()
+        out = groups * self.scales.float()[..., None] + self.minimums.float()[..., None]
+        return out.flatten(-2).to(self.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * (8 // self.bits)))
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scales, self.minimums)
+
+
+@dataclass(frozen=True, eq=False)
+class LowRankTensor:
+    """A (1, H, L, D) tensor as, per head, coefficients (L, r) @ basis (r, D) (truncated SVD).
+
+    The truncated SVD is the best rank-``r`` approximation in the Frobenius norm (Eckart-Young);
+    at ``r = min(L, D)`` it is exact up to rounding. Factors are stored in 16 bits.
+    """
+
+    coefficients: torch.Tensor  # (1, H, L, r)
+    basis: torch.Tensor  # (1, H, r, D)
+    dtype: torch.dtype
+
+    @classmethod
+    def encode(cls, x: torch.Tensor, rank: int) -> LowRankTensor:
+        rank = min(rank, x.shape[2], x.shape[3])
+        u, s, vh = torch.linalg.svd(x.float(), full_matrices=False)
+        storage = half_dtype(x.dtype)
+        coefficients = (u[..., :rank] * s[..., None, :rank]).to(storage)
+        return cls(coefficients, vh[..., :rank, :].to(storage), x.dtype)
+
+    def decode(self) -> torch.Tensor:
+        return torch.matmul(self.coefficients.float(), self.basis.float()).to(self.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.coefficients.shape[:-1], self.basis.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.coefficients, self.basis)
+
+
+@dataclass(frozen=True, eq=False)
+class HalfTensor:
+    """A tensor stored in 16 bits (:func:`half_dtype`) and cast back on access."""
+
+    data: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def encode(cls, x: torch.Tensor) -> HalfTensor:
+        return cls(x.to(half_dtype(x.dtype)), x.dtype)
+
+    def decode(self) -> torch.Tensor:
+        return self.data.to(self.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.data)
+
+
+TensorCode = QuantizedTensor | LowRankTensor | HalfTensor
+
+
+@dataclass(frozen=True, eq=False)
+class CodedLayerKV:
+    """One layer of a document cache whose keys and values are stored coded (smaller than ``LayerKV``).
+
+    ``keys`` and ``values`` are decoded on every access: each attention call over the document
+    builds one transient full-precision copy of this layer, (1, H_kv, L, D) each, freed after the
+    call. Caching the decoded tensors would make later calls faster and give the memory saving
+    back, so they are not cached.
+
+    Attributes
+    ----------
+    key_code, value_code : QuantizedTensor, LowRankTensor or HalfTensor
+        The coded keys and values, (1, H_kv, L, D) once decoded.
+    sizes : Tensor (1, H_kv, L) int16/int32, or None
+        As in :class:`LayerKV` (kept exact).
+    """
+
+    key_code: TensorCode
+    value_code: TensorCode
+    sizes: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.key_code.decode()
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.value_code.decode()
+
+    @property
+    def log_sizes(self) -> torch.Tensor | None:
+        return _log_sizes(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored codes, scales, factors and sizes."""
+        return self.key_code.nbytes + self.value_code.nbytes + _nbytes(self.sizes)
+
+    @property
+    def num_entries(self) -> int:
+        return _num_entries(self.sizes, self.key_code.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class SharedLayerKV:
+    """A layer that attends to another layer's stored cache (cross-layer sharing) and stores nothing.
+
+    ``nbytes`` is 0, so a document cache's byte count holds the shared storage once, where it is
+    owned. Everything else is the ``source`` layer's.
+    """
+
+    source: LayerKV | CodedLayerKV
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.source.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.source.values
+
+    @property
+    def sizes(self) -> torch.Tensor | None:
+        return self.source.sizes
+
+    @property
+    def log_sizes(self) -> torch.Tensor | None:
+        return self.source.log_sizes
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @property
+    def num_entries(self) -> int:
+        return self.source.num_entries
 
 
 class _AppendLayer(CacheLayerMixin):

@@ -1,21 +1,26 @@
 """KV-cache compressors: one file and one dataclass each, registered here."""
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor, NoCompression
+from semanticache_rag.compressors.kaizen import KaizenCompressor
 from semanticache_rag.compressors.sekv import SeKVCompressor
 from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
 from semanticache_rag.compressors.streaming_llm import StreamingLLMCompressor
 from semanticache_rag.errors import ConfigError
 
 COMPRESSORS: dict[str, type[Compressor]] = {
-    cls.name: cls for cls in (NoCompression, SemantiCacheCompressor, SeKVCompressor, StreamingLLMCompressor)
+    cls.name: cls
+    for cls in (NoCompression, SemantiCacheCompressor, SeKVCompressor, StreamingLLMCompressor, KaizenCompressor)
 }
 
 
 def make_compressor(name: str, compression_ratio: float | None = None, **options) -> Compressor:
     """Build a registered compressor by name (as the CLI's ``--compression`` does).
 
-    ``compression_ratio=None`` keeps the compressor's default ratio.
+    ``compression_ratio=None`` keeps the compressor's default ratio. ``"kaizen+NAME"`` is Kaizen
+    storing the entries of compressor ``NAME`` (``"kaizen+semanticache"``).
     """
+    if name.startswith("kaizen+"):
+        name, options["inner"] = "kaizen", name.removeprefix("kaizen+")
     if name not in COMPRESSORS:
         raise ConfigError(f"unknown compression {name!r}; choose one of {sorted(COMPRESSORS)}")
     if compression_ratio is not None:
@@ -27,6 +32,7 @@ __all__ = [
     "COMPRESSORS",
     "CompressionContext",
     "Compressor",
+    "KaizenCompressor",
     "NoCompression",
     "SeKVCompressor",
     "SemantiCacheCompressor",
