@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+from semanticache_rag.compressors.kara import KaraCompressor
 from semanticache_rag.errors import ContextLengthError
 from semanticache_rag.generation import GenerationOptions, Sampler, TextStream
 from semanticache_rag.kv import ConversationKV
@@ -23,6 +24,8 @@ class Answer:
     ``cache_bytes`` is the device memory of the document cache this answer used; with SeKV's
     zoom-in it includes the spans rebuilt for this question (``spans_expanded`` spans,
     ``tokens_reconstructed`` tokens), and ``host_bytes`` is the host copy of all spans.
+    ``conversation_bytes`` is what the turns appended after the document take in the working
+    cache when the answer ends (bounded by Kara's decode-time compression).
     ``prefill_s`` is the time to the first answer token,
     ``decode_s`` the time for the rest, ``tokens_per_s`` the decode rate after the first token.
     """
@@ -44,6 +47,7 @@ class Answer:
     spans_expanded: int = 0
     tokens_reconstructed: int = 0
     host_bytes: int = 0
+    conversation_bytes: int = 0
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (the ``--json`` line format)."""
@@ -85,6 +89,10 @@ class Conversation:
         self.kv = ConversationKV(cache.layers)
         self._tail_ids: list[int] = []  # tokens in self.kv, after the document
         self.last_answer: Answer | None = None
+        compressor = engine.compressor
+        self._kara = compressor if isinstance(compressor, KaraCompressor) and cache.zoom is None else None
+        self._compressed_tokens = 0  # tail tokens whose entries Kara has compressed...
+        self._squeezed = 0  # ...into this many entries (per head), at the front of the appended ones
 
     def ask(self, question: str, **options) -> Answer:
         """Answer ``question`` in this conversation and return the :class:`Answer`."""
@@ -112,6 +120,7 @@ class Conversation:
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
         logits = engine.forward(self.kv, tail[reused:], self.cache.length + reused)[-1]
         self._tail_ids = list(tail)
+        self._squeeze()
         first = time.perf_counter()
         finish, generated = "length", 0
         for _ in range(min(opts.max_new_tokens, budget)):
@@ -128,6 +137,7 @@ class Conversation:
                 break
             logits = engine.forward(self.kv, [token], self.cache.length + len(self._tail_ids))[-1]
             self._tail_ids.append(token)
+            self._squeeze()
         rest = stream.flush()
         if rest:
             yield rest
@@ -147,8 +157,30 @@ class Conversation:
             )
         # Reuse every appended token the new prompt shares with the cache; feed at least one.
         reused = min(_common_prefix(self._tail_ids, tail), len(tail) - 1)
-        self.kv.crop(reused)
+        if reused < self._compressed_tokens:  # the prompt changed inside what Kara compressed: start over
+            self.kv, reused = ConversationKV(self.cache.layers), 0
+            self._compressed_tokens = self._squeezed = 0
+        self.kv.crop(self._squeezed + reused - self._compressed_tokens)
         return reused, budget
+
+    def _squeeze(self) -> None:
+        """Kara: compress appended entries a window at a time once they exceed the budget."""
+        kara = self._kara
+        if kara is None:
+            return
+        entries = self.kv.appended_length
+        while entries > kara.budget_tokens + kara.window_tokens:
+            if entries - self._squeezed - kara.recent_tokens >= kara.window_tokens:  # oldest window not yet compressed
+                start = self._squeezed
+                self._compressed_tokens += kara.window_tokens
+                self._squeezed += kara.kept_per_window
+            elif self._squeezed >= kara.window_tokens:  # else the oldest compressed entries, once more
+                start = 0
+                self._squeezed -= kara.window_tokens - kara.kept_per_window
+            else:
+                return
+            kara.compress_window(self.kv.layers, self.kv.prefix_length + start)
+            entries = self.kv.appended_length
 
     def _finish(self, question, stream, tail_len, reused, generated, finish, times, zoom=None) -> None:
         (start, first), text = times, stream.text.strip()
@@ -170,6 +202,7 @@ class Conversation:
             spans_expanded=0 if zoom is None else zoom.spans_expanded,
             tokens_reconstructed=0 if zoom is None else zoom.tokens_reconstructed,
             host_bytes=self.cache.host_nbytes,
+            conversation_bytes=sum(2 * layer.keys[:, :, : layer.length].nbytes for layer in self.kv.layers),
         )
 
     def _eos_ids(self) -> set[int]:

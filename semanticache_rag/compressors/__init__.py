@@ -2,6 +2,7 @@
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor, NoCompression
 from semanticache_rag.compressors.kaizen import KaizenCompressor
+from semanticache_rag.compressors.kara import KaraCompressor
 from semanticache_rag.compressors.sekv import SeKVCompressor
 from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
 from semanticache_rag.compressors.streaming_llm import StreamingLLMCompressor
@@ -9,7 +10,14 @@ from semanticache_rag.errors import ConfigError
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
-    for cls in (NoCompression, SemantiCacheCompressor, SeKVCompressor, StreamingLLMCompressor, KaizenCompressor)
+    for cls in (
+        NoCompression,
+        SemantiCacheCompressor,
+        SeKVCompressor,
+        StreamingLLMCompressor,
+        KaizenCompressor,
+        KaraCompressor,
+    )
 }
 
 
@@ -31,6 +39,7 @@ def make_compressor(name: str, compression_ratio: float | None = None, **options
 __all__ = [
     "COMPRESSORS",
     "CompressionContext",
+    "KaraCompressor",
     "Compressor",
     "KaizenCompressor",
     "NoCompression",
