@@ -80,3 +80,27 @@ def test_bundled_pdf_end_to_end(engine):
     assert cache.document.total_pages == 7 and cache.token_pages.max() == 6
     answer = engine.ask(cache, "What is the latest version of the LH fonts?", max_new_tokens=24)
     assert "3.20" in answer.answer
+
+
+def test_sekv_expanding_every_span_answers_as_the_full_cache(engine, planted_prefill, planted):
+    from semanticache_rag import SeKVCompressor
+
+    prefill, question, _ = planted_prefill
+    full = engine.ask(planted[0], question, max_new_tokens=24)
+    # rank 64 = head dim: every span is rebuilt exactly; the zoom budget covers the whole document
+    cache = engine.compress(prefill, SeKVCompressor(0.5, zoom_tokens=10_000, rank=64))
+    answer = engine.ask(cache, question, max_new_tokens=24)
+    assert answer.completion_ids == full.completion_ids
+    assert answer.tokens_reconstructed == int(cache.zoom.length[cache.zoom.length > 1].sum())
+
+
+def test_sekv_device_memory_at_a_1024_token_budget_on_7k_tokens(engine):
+    from semanticache_rag import SeKVCompressor
+
+    text, question, _ = planted_document(tokens=7000, tokenizer=engine.tokenizer)
+    engine_prefill = engine.prefill(text, progress=False, surprisal=True)
+    cache = engine.compress(engine_prefill, SeKVCompressor(0.75, zoom_tokens=1024))
+    answer = engine.ask(cache, question, max_new_tokens=8)
+    assert cache.length >= 6900 and answer.tokens_reconstructed <= 1024
+    assert answer.cache_bytes <= 0.5 * cache.full_nbytes  # summary + rebuilt spans + masked sizes
+    assert answer.host_bytes == cache.host_nbytes > 0
