@@ -123,8 +123,8 @@ class QuantizedTensor:
         codes = self.codes
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
-        groups = codes.unflatten(-1, (self.scales.shape[-1], -1)).float()
-        out = groups * self.scales.float()[..., None] + self.minimums.float()[..., None]
+        groups = codes.unflatten(-1, (self.scales.shape[-1], -1))
+        out = torch.addcmul(self.minimums.float()[..., None], groups, self.scales.float()[..., None])
         return out.flatten(-2).to(self.dtype)
 
     @property

@@ -338,7 +338,8 @@ class KaizenCompressor(Compressor):
             sizes = torch.ones(keys.shape[:3], dtype=torch.int16)  # what merged entries add
             precisions = [o for o in ("int4", "int8", "fp16") if o in self.options]
             lowest = option_nbytes((precisions or ["fp"])[0], LayerKV(keys, keys, sizes), group)
-            ratio = max(0.0, math.ceil((1 - kept * 2 * keys.nbytes / lowest) * 1e4) / 1e4)
+            tokens = keys.shape[2]  # entries the lowest precision affords, rounded down
+            ratio = max(0.0, 1 - math.floor(kept * 2 * keys.nbytes / lowest * tokens) / tokens)
         if self.inner is None or not ratio:
             return [LayerKV(keys, values) for keys, values in keys_values]
         layers, _ = self._inner(ratio).compress_cache(keys_values, context)
