@@ -4,7 +4,7 @@ A calibration text is cut into a *document* (prefilled into a full cache) and a 
 For every layer and option, that one layer of the cache is stored with the option and the
 continuation is run over the cache; the sensitivity is the mean KL(full || changed) of the
 next-token distributions over the continuation (the fidelity metric of ``benchmarks/ruler.py``).
-That is ``layers x options`` short forward passes (about two minutes for the default model on a
+That is ``layers x options`` short forward passes (a few minutes for the default model on an idle
 CPU). The table is a small JSON file that :class:`~semanticache_rag.compressors.kaizen.KaizenCompressor`
 finds by the model's name::
 
