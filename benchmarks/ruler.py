@@ -8,6 +8,7 @@ full-cache answer tokens (teacher forcing). kvpress runs in a virtual environmen
 
     python -m benchmarks.ruler                       # default run (~1 h on 2 cores, no kvpress)
     python -m benchmarks.ruler --kvpress             # + kvpress presses (much slower: one prefill each)
+    python -m benchmarks.ruler --kvpress-only        # kvpress alone, resuming an interrupted run
     python -m benchmarks.ruler --quick --model DIR   # CI smoke run
 """
 
@@ -135,35 +136,51 @@ def _row(method, ratio, context, q, answer, kv_bytes, full_bytes, seconds, token
     }
 
 
-def run_kvpress(engine: Engine, contexts, ratios, model_dir: str) -> list[dict]:
-    """The same contexts and token ids through kvpress's presses, in kvpress's own venv."""
+def run_kvpress(engine: Engine, contexts, ratios, model_dir: str, out: Path = RESULTS) -> list[dict]:
+    """The same contexts and token ids through kvpress's presses, in kvpress's own venv.
+
+    Resumable: contexts that an earlier (possibly interrupted) run under ``out`` finished for every
+    press and ratio are not run again; their rows are read from its ``ruler_kvpress_raw*.tmp``.
+    """
     from benchmarks.kvpress_env import run_kvpress as run
 
-    RESULTS.mkdir(exist_ok=True)
-    tasks_path = RESULTS / "ruler_kvpress_tasks.tmp"
-    by_qid = {}
-    with open(tasks_path, "w") as out:
-        for c in contexts:
+    out.mkdir(parents=True, exist_ok=True)
+    by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
+    earlier = _earlier_kvpress_rows(out, contexts, ratios)
+    todo = [c for c in contexts if c.context_id not in {r["context_id"] for r in earlier}]
+    if not todo:
+        return kvpress_rows(earlier, by_qid)
+    tasks_path = out / "ruler_kvpress_tasks.tmp"
+    with open(tasks_path, "w") as handle:
+        for c in todo:
             prefix, _ = engine.tokenize_prefix(load_document(c.document))
             questions = [
                 {"qid": q.qid, "tail_ids": tail_ids(engine, q.text), "refs": q.refs, "metric": q.metric}
                 for q in c.questions
             ]
-            by_qid.update({q.qid: (c, q) for q in c.questions})
-            out.write(
-                json.dumps(
-                    {
-                        "context_id": c.context_id,
-                        "task": c.task,
-                        "length": c.length,
-                        "prefix_ids": prefix,
-                        "questions": questions,
-                    }
-                )
-                + "\n"
-            )
-    raw = run(tasks_path, model_dir, ("none",) + KVPRESS_PRESSES, ratios, RESULTS / "ruler_kvpress_raw.tmp")
-    return kvpress_rows(raw, by_qid)
+            task = {"context_id": c.context_id, "task": c.task, "length": c.length, "prefix_ids": prefix}
+            handle.write(json.dumps({**task, "questions": questions}) + "\n")
+    raw_path = out / f"ruler_kvpress_raw.{time.strftime('%Y%m%d-%H%M%S')}.tmp"
+    raw = run(tasks_path, model_dir, ("none",) + KVPRESS_PRESSES, ratios, raw_path)
+    return kvpress_rows(earlier + raw, by_qid)
+
+
+def _earlier_kvpress_rows(out: Path, contexts, ratios) -> list[dict]:
+    """Rows of earlier kvpress runs for the contexts they finished (every press, ratio and question)."""
+    wanted = {("kvpress:none", 0.0)} | {(f"kvpress:{p}", r) for p in KVPRESS_PRESSES for r in ratios}
+    rows = {}
+    for path in sorted(out.glob("ruler_kvpress_raw*.tmp")):
+        for line in open(path):
+            if line.strip():
+                r = json.loads(line)
+                if (r["method"], r["ratio"]) in wanted:
+                    rows[(r["method"], r["ratio"], r["qid"])] = r
+    finished = []
+    for c in contexts:
+        mine = [rows.get((method, ratio, q.qid)) for method, ratio in wanted for q in c.questions]
+        if all(mine):
+            finished += mine
+    return finished
 
 
 def kvpress_rows(raw: list[dict], by_qid: dict) -> list[dict]:
@@ -215,6 +232,11 @@ def main() -> None:
         default=None,
         help="lengths to run kvpress on (default: all); it prefills once per press and ratio",
     )
+    parser.add_argument(
+        "--kvpress-only",
+        action="store_true",
+        help="run only kvpress (resuming an interrupted run) and merge it with our rows in OUT/ruler.jsonl",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 sample, 300 tokens, ratio 0.5")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -237,13 +259,16 @@ def main() -> None:
         by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
         write_results(ours + kvpress_rows(raw, by_qid), args, started)
         return
-    rows = run_ours(engine, contexts, args.ratios, args.methods)
-    write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
-    if args.kvpress:
+    if args.kvpress_only:
+        rows = [json.loads(line) for line in open(args.out / "ruler.jsonl") if '"kvpress:' not in line]
+    else:
+        rows = run_ours(engine, contexts, args.ratios, args.methods)
+        write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
+    if args.kvpress or args.kvpress_only:
         from semanticache_rag.models import resolve_model
 
         chosen = [c for c in contexts if args.kvpress_lengths is None or c.length in args.kvpress_lengths]
-        rows += run_kvpress(engine, chosen, args.ratios, resolve_model(args.model))
+        rows += run_kvpress(engine, chosen, args.ratios, resolve_model(args.model), args.out)
         write_results(rows, args, started)
 
 
