@@ -104,3 +104,40 @@ def test_sekv_device_memory_at_a_1024_token_budget_on_7k_tokens(engine):
     assert cache.length >= 6900 and answer.tokens_reconstructed <= 1024
     assert answer.cache_bytes <= 0.5 * cache.full_nbytes  # summary + rebuilt spans + masked sizes
     assert answer.host_bytes == cache.host_nbytes > 0
+
+
+def test_kara_keeps_a_compressed_turn_2_fact_and_a_30_turn_chat_within_budget(engine):
+    """The fact's turn is compressed (not dropped) and still answered; the chat never outgrows the budget.
+
+    The 135M model itself forgets such a fact after about four turns even with no compression
+    (benchmarks/long_chat.py), so the recall is asked for right after Kara has compressed turn 2.
+    """
+    from importlib import resources
+
+    from semanticache_rag import Engine, KaraCompressor
+    from semanticache_rag.documents import read_pdf
+
+    with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as path:
+        ids = engine.tokenizer(read_pdf(path).text, add_special_tokens=False)["input_ids"][:300]
+    messages = ["Hello! I have a question about this guide.", "My locker code is 4812. Please remember it."]
+    messages += ["What is this document about?", "Which fonts does the document mention?", "What is koi8-r?"] * 10
+    kara = KaraCompressor(budget_tokens=48, window_tokens=32, recent_tokens=16)
+    answers = {}
+    for compressor in (NoCompression(), kara):
+        chat_engine = Engine(engine.model, engine.tokenizer, compressor=compressor)
+        chat = chat_engine.conversation(chat_engine.read(engine.tokenizer.decode(ids), progress=False))
+        for message in messages[:3]:
+            chat.ask(message, max_new_tokens=24)
+        answers[compressor.name] = chat.ask("What is my locker code?", max_new_tokens=12).answer
+    fact_end = len(engine.tokenizer(chat_engine.prompt.tail(chat.turns[:2]), add_special_tokens=False)["input_ids"])
+    assert chat._compressed_tokens >= fact_end  # every entry up to the end of turn 2 went through a window
+    assert "4812" in answers["none"] and "4812" in answers["kara"], answers
+    chat.turns.pop()  # continue as if the probe had not been asked: 30 turns in all
+    limit = kara.budget_tokens + kara.window_tokens + 1  # at most one window (and one step) over the budget
+    per_entry = sum(2 * layer.keys[:, :, :1].nbytes for layer in chat.kv.layers)  # K and V, every layer
+    for message in messages[3:30]:
+        answer = chat.ask(message, max_new_tokens=24)
+        assert chat.kv.appended_length <= limit and answer.conversation_bytes <= limit * per_entry
+    tail_tokens = answer.prompt_tokens - answer.document_tokens
+    assert len(chat.turns) == 30 and tail_tokens > 10 * limit  # all 30 turns are in the prompt...
+    assert tail_tokens - chat._compressed_tokens <= limit  # ...and all but the newest were compressed
