@@ -59,3 +59,39 @@ def test_quick_run_writes_results(tiny_model_dir, tmp_path, monkeypatch):
     assert all(r["kv_bytes"] < r["full_kv_bytes"] for r in rows if r["method"] != "full")
     assert "| semanticache | 0.50 |" in (tmp_path / "ruler.md").read_text()
     assert (tmp_path / "ruler.png").stat().st_size > 1000
+
+
+def test_long_chat_runs_every_method_and_bounds_the_appended_cache(tiny_model_dir, tmp_path):
+    from benchmarks import long_chat
+
+    long_chat.main(
+        ["--model", str(tiny_model_dir), "--turns", "8", "--chats", "1", "--budget", "24", "--window", "16"]
+        + ["--document-tokens", "60", "--max-new-tokens", "6", "--probe-turns", "3", "8", "--out", str(tmp_path)]
+    )
+    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "long_chat.jsonl").read_text().splitlines())}
+    assert set(rows) == {"none", "kara", "window"}
+    assert all(len(r["seconds"]) == 8 and set(r["recalled"]) == {"3", "8"} for r in rows.values())
+    grown = rows["none"]["conversation_bytes"]
+    assert grown == sorted(grown) and grown[-1] > 2 * grown[2]  # with no compression the chat only grows...
+    for method in ("kara", "window"):  # ...and with a budget it stays under what 'none' ends with
+        assert max(rows[method]["conversation_bytes"]) < grown[-1]
+    assert "| kara |" in (tmp_path / "long_chat.md").read_text() and (tmp_path / "long_chat.png").stat().st_size
+
+
+def test_kvpress_resume_reuses_only_finished_contexts(count_words, tmp_path):
+    from benchmarks import ruler
+
+    contexts = build(["niah_single_1", "niah_multikey_1"], [300], 1, count_words, seed=0)
+    jobs = [("kvpress:none", 0.0)] + [(f"kvpress:{p}", 0.5) for p in ruler.KVPRESS_PRESSES]
+    rows = [
+        {"method": m, "ratio": r, "qid": q.qid, "context_id": c.context_id}
+        for c in contexts
+        for m, r in jobs
+        for q in c.questions
+    ]
+    finished, cut = contexts[0], len(jobs) * len(contexts[0].questions)
+    with open(tmp_path / "ruler_kvpress_raw.1.tmp", "w") as out:  # interrupted in the second context
+        out.writelines(json.dumps(row) + "\n" for row in rows[: cut + 3])
+    earlier = ruler._earlier_kvpress_rows(tmp_path, contexts, [0.5])
+    assert {r["context_id"] for r in earlier} == {finished.context_id} and len(earlier) == cut
+    assert ruler._earlier_kvpress_rows(tmp_path, contexts, [0.5, 0.75]) == []  # a ratio never run
