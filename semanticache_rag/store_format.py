@@ -5,9 +5,12 @@ A cache is stored as two files named by its id, the hex SHA-256 of its
 
 - ``<id>.safetensors``: the tensors (safetensors, so loading a file can never run code):
   ``prefix_ids``, ``token_pages``, ``layers.<i>.keys`` / ``.values`` / ``.sizes`` and, for
-  compressors that zoom in per question, ``zoom.<name>``.
+  compressors that zoom in per question, ``zoom.<name>``. Layers that KV-Kaizen stored coded keep
+  their codes (``layers.<i>.keys.codes`` / ``.scales`` / ...; int8/int4, low-rank or 16-bit), and
+  layers that share a neighbour's cache store nothing, so a reloaded cache is as small as it was.
 - ``<id>.json``: the manifest: the full key, what the cache stands for (document, pages, tokens,
-  bytes, ratio, model, compressor, timings, creation time) and the SHA-256 of the tensor file.
+  bytes, ratio, model, compressor, timings, creation time), how each layer is stored and the
+  SHA-256 of the tensor file.
 
 Loading checks the manifest's key against the wanted one, the tensor file against the checksum
 and the tensors against the model's shape; anything else raises :class:`EntryRejected`.
@@ -26,7 +29,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +40,7 @@ from safetensors.torch import load as load_tensors
 
 from semanticache_rag.documents import Document, Page, load_document
 from semanticache_rag.engine import DocumentCache
-from semanticache_rag.kv import LayerKV
+from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
 
 if TYPE_CHECKING:
     from semanticache_rag.store_key import CacheKey
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("semanticache_rag.store")
 
 FORMAT_NAME = "semanticache-rag document cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: coded and shared layers stored as they are
 TMP_PREFIX = ".tmp-"
 ENTRY_ID = re.compile(r"[0-9a-f]{64}")  # the only names entry files have
 
@@ -211,9 +214,7 @@ def cache_tensors(cache: DocumentCache) -> dict[str, torch.Tensor]:
     """The cache's tensors by name, on the CPU, contiguous and not sharing memory (safetensors needs both)."""
     tensors = {"prefix_ids": cache.prefix_ids, "token_pages": cache.token_pages}
     for i, layer in enumerate(cache.layers):
-        tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
-        if layer.sizes is not None:
-            tensors[f"layers.{i}.sizes"] = layer.sizes
+        tensors.update({f"layers.{i}.{name}": t for name, t in _layer_parts(layer, cache.layers)[1].items()})
     zoom: Any = cache.zoom
     if zoom is not None:
         for name, tensor in zoom.state_dict().items():
@@ -227,6 +228,51 @@ def cache_tensors(cache: DocumentCache) -> dict[str, torch.Tensor]:
         out[name] = tensor.clone() if pointer in seen else tensor
         seen.add(pointer)
     return out
+
+
+_CODES = {cls.__name__: cls for cls in (QuantizedTensor, LowRankTensor, HalfTensor)}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _layer_parts(layer, layers) -> tuple[dict, dict[str, torch.Tensor]]:
+    """How one layer is stored (a JSON record for the manifest) and its tensors by name."""
+    if isinstance(layer, SharedLayerKV):
+        source = next((j for j, other in enumerate(layers) if other is layer.source), None)
+        if source is None:
+            raise TypeError("a shared layer's source is not a layer of the same cache")
+        return {"kind": "shared", "source": source}, {}
+    sizes = {} if layer.sizes is None else {"sizes": layer.sizes}
+    if isinstance(layer, CodedLayerKV):
+        (key_meta, keys), (value_meta, values) = _code_parts(layer.key_code), _code_parts(layer.value_code)
+        tensors = {**{f"keys.{n}": t for n, t in keys.items()}, **{f"values.{n}": t for n, t in values.items()}}
+        return {"kind": "coded", "keys": key_meta, "values": value_meta}, {**tensors, **sizes}
+    return {"kind": "plain"}, {"keys": layer.keys, "values": layer.values, **sizes}
+
+
+def _code_parts(code) -> tuple[dict, dict[str, torch.Tensor]]:
+    meta, tensors = {"code": type(code).__name__}, {}
+    for field in fields(code):
+        value = getattr(code, field.name)
+        if isinstance(value, torch.Tensor):
+            tensors[field.name] = value
+        else:
+            meta[field.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    return meta, tensors
+
+
+def _code_from_parts(meta: dict, tensors: dict[str, torch.Tensor], prefix: str):
+    cls = _CODES[meta["code"]]
+    kwargs: dict[str, Any] = {}
+    for field in fields(cls):
+        if field.name == "dtype":
+            kwargs["dtype"] = _DTYPES[meta["dtype"]]
+        elif field.name == "bits":
+            if meta["bits"] not in (4, 8):
+                raise EntryRejected(f"{prefix}: {meta['bits']!r}-bit codes")
+            kwargs["bits"] = meta["bits"]
+        else:
+            kwargs[field.name] = tensors[f"{prefix}.{field.name}"]
+    return cls(**kwargs)
 
 
 def build_manifest(cache: DocumentCache, key: CacheKey, tensors_sha256: str, tensors_bytes: int) -> dict:
@@ -250,6 +296,7 @@ def build_manifest(cache: DocumentCache, key: CacheKey, tensors_sha256: str, ten
         "prefill_s": cache.prefill_s,
         "compress_s": cache.compress_s,
         "zoom": cache.zoom is not None,
+        "layer_storage": [_layer_parts(layer, cache.layers)[0] for layer in cache.layers],
         "created": time.time(),
         "tensors": {"sha256": tensors_sha256, "bytes": tensors_bytes},
     }
@@ -281,11 +328,16 @@ def load_cache(manifest: dict, data: bytes, document: Document, engine) -> Docum
     model_layers = engine.empty_cache().layers  # (1, H_kv, 0, D) each: the shapes this model attends with
     if num_layers != len(model_layers):
         raise EntryRejected(f"{num_layers} layers, the model has {len(model_layers)}")
-    layers = tuple(_layer(tensors, i, model_layers[i].keys, engine.device) for i in range(num_layers))
+    storage = manifest.get("layer_storage")
+    if not isinstance(storage, list) or len(storage) != num_layers:
+        raise EntryRejected("the manifest does not say how each layer is stored")
+    layers: list = []
+    for i, record in enumerate(storage):
+        layers.append(_layer(tensors, i, record, layers, model_layers[i].keys, engine.device))
     zoom = _zoom({k.removeprefix("zoom."): v for k, v in tensors.items() if k.startswith("zoom.")}, manifest)
     return DocumentCache(
         document,
-        layers,
+        tuple(layers),
         prefix_ids,
         token_pages,
         manifest["model_name"],
@@ -296,20 +348,45 @@ def load_cache(manifest: dict, data: bytes, document: Document, engine) -> Docum
     )
 
 
-def _layer(tensors: dict[str, torch.Tensor], i: int, like: torch.Tensor, device: torch.device) -> LayerKV:
-    keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+def _layer(tensors: dict[str, torch.Tensor], i: int, record, earlier: list, like: torch.Tensor, device):
+    """Layer ``i`` as ``record`` says it was stored, checked against the model's shape ``like``."""
+    kind = record.get("kind") if isinstance(record, dict) else None
+    if kind == "shared":
+        source = record.get("source")
+        if not isinstance(source, int) or not 0 <= source < i:
+            raise EntryRejected(f"layer {i}: shares layer {source!r}, which is not below it")
+        return SharedLayerKV(earlier[source])
     sizes = tensors.get(f"layers.{i}.sizes")
+    if kind == "coded":
+        prefix = f"layers.{i}"
+        layer = CodedLayerKV(
+            _code_from_parts(record["keys"], tensors, f"{prefix}.keys"),
+            _code_from_parts(record["values"], tensors, f"{prefix}.values"),
+            sizes,
+        )
+        keys, values = layer.keys, layer.values  # decoding once checks every code's tensors fit together
+    elif kind == "plain":
+        keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+    else:
+        raise EntryRejected(f"layer {i}: unknown storage {kind!r}")
     shape = (1, like.shape[1], keys.shape[2] if keys.dim() == 4 else -1)
     if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != shape or values.shape[:3] != shape:
         raise EntryRejected(
             f"layer {i}: keys {tuple(keys.shape)} and values {tuple(values.shape)} do not fit the model"
         )
-    if keys.shape[3] != like.shape[3]:
+    if keys.shape[3] != like.shape[3] or values.shape[3] != like.shape[3]:
         raise EntryRejected(f"layer {i}: head dimension {keys.shape[3]}, the model has {like.shape[3]}")
     if not keys.is_floating_point() or (sizes is not None and sizes.shape != keys.shape[:3]):
         raise EntryRejected(f"layer {i}: bad dtype or sizes")
     sizes = None if sizes is None else sizes.to(device)
+    if kind == "coded":
+        return CodedLayerKV(_to(layer.key_code, device), _to(layer.value_code, device), sizes)
     return LayerKV(keys.to(device), values.to(device), sizes)
+
+
+def _to(code, device):
+    """A tensor code with its tensors on ``device``."""
+    return replace(code, **{name: t.to(device) for name, t in _code_parts(code)[1].items()})
 
 
 def _zoom(state: dict[str, torch.Tensor], manifest: dict):

@@ -14,10 +14,20 @@ import pytest
 import torch
 from tests_support import needs_default_model, planted_document
 
-from semanticache_rag import ConfigError, Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor
+from semanticache_rag import (
+    ConfigError,
+    Engine,
+    KaizenCompressor,
+    NoCompression,
+    SemantiCacheCompressor,
+    StreamingLLMCompressor,
+)
 from semanticache_rag.cli import main
+from semanticache_rag.compressors import make_compressor
+from semanticache_rag.compressors.kaizen import layer_option
 from semanticache_rag.documents import document_from_text
 from semanticache_rag.errors import StoreError
+from semanticache_rag.kv import SharedLayerKV
 from semanticache_rag.store import DocumentStore, parse_bytes
 
 QUESTION = "What may the licensee do?"
@@ -76,6 +86,30 @@ def test_reload_gives_the_same_tensors_and_answers(tiny_model, tiny_tokenizer, s
     assert_same_cache(cache, loaded)
     assert loaded.document == cache.document
     assert answer(again, loaded) == answer(first, cache)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        KaizenCompressor(0.75, calibration=None),
+        KaizenCompressor(0.9, calibration=None),
+        make_compressor("kaizen+semanticache", 0.9),
+    ],
+    ids=repr,
+)
+def test_kaizen_layers_reload_coded_and_shared(tiny_llama, tiny_tokenizer, store_dir, document_text, compressor):
+    first = make_engine(tiny_llama, tiny_tokenizer, store_dir, compressor)
+    cache = first.read(document_text, progress=False)
+    options = [layer_option(layer) for layer in cache.layers]
+    assert set(options) - {"fp", "fp16"}, options  # the budget made some layers int8/int4/low-rank/shared
+    loaded = fresh(first).read(document_text, progress=False)
+    assert [layer_option(layer) for layer in loaded.layers] == options
+    assert loaded.nbytes == cache.nbytes < 0.5 * cache.full_nbytes  # as small as stored, not decoded to full size
+    assert_same_cache(cache, loaded)  # same decoded keys and values, sizes, bytes
+    for a, b in zip(cache.layers, loaded.layers):
+        if isinstance(a, SharedLayerKV):  # the same stored layer below, not a copy of it
+            assert b.source is loaded.layers[cache.layers.index(a.source)]
+    assert answer(fresh(first), loaded) == answer(first, cache)
 
 
 def test_memory_hit_and_renamed_file(engine, document_text, tmp_path):
@@ -192,6 +226,39 @@ def test_damaged_entry_is_reported_once_deleted_and_read_again(engine, document_
     third = fresh(engine)  # the damaged entry was replaced by a valid one
     third.read(document_text, progress=False)
     assert third.store.stats.disk_hits == 1
+
+
+def _edit_layer_storage(edit):
+    def corrupt(manifest, tensors):
+        m = json.loads(manifest.read_text())
+        edit(m["layer_storage"])
+        manifest.write_text(json.dumps(m))
+
+    return corrupt
+
+
+def _first(storage, kind):
+    return next(record for record in storage if record["kind"] == kind)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda storage: _first(storage, "shared").update(source=len(storage)),  # a layer above it
+        lambda storage: _first(storage, "coded")["keys"].update(code="PickledTensor"),
+        lambda storage: (
+            _first(storage, "coded")["keys"].update(bits=3)
+            if "bits" in _first(storage, "coded")["keys"]
+            else _first(storage, "coded")["keys"].update(dtype="int64")
+        ),
+        lambda storage: _first(storage, "coded").update(kind="plain"),  # its tensors are codes, not keys
+        lambda storage: storage.pop(),
+    ],
+    ids=["shared-above", "unknown-code", "bad-bits-or-dtype", "wrong-kind", "missing-layer"],
+)
+def test_damaged_coded_entry_is_read_again(tiny_llama, tiny_tokenizer, store_dir, document_text, caplog, edit):
+    engine = make_engine(tiny_llama, tiny_tokenizer, store_dir, KaizenCompressor(0.9, calibration=None))
+    test_damaged_entry_is_reported_once_deleted_and_read_again(engine, document_text, caplog, _edit_layer_storage(edit))
 
 
 def test_entry_of_another_model_is_rejected(tiny_llama, tiny_tokenizer, store_dir, document_text, caplog):
