@@ -50,8 +50,13 @@ _RUNTIMES: dict[tuple, Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 
-def shared_runtime(model: str | None, compression: str, compression_ratio: float | None) -> Runtime:
+def shared_runtime(
+    model: str | None, compression: str, compression_ratio: float | None, store: bool | str = False
+) -> Runtime:
     """The process-wide runtime for these settings, loading the model on first use.
+
+    ``store``: ``False`` keeps document caches in memory only; ``True`` also on disk in the default
+    store directory (as the command line does); a path: in that directory.
 
     Raises
     ------
@@ -65,11 +70,14 @@ def shared_runtime(model: str | None, compression: str, compression_ratio: float
 
     if model is not None and model.lower() in {DEFAULT_MODEL.lower(), "default"}:
         model = None  # the names Engine.from_pretrained treats as the default model: one load
-    key = (model, compression, compression_ratio)
+    key = (model, compression, compression_ratio, store)
     with _RUNTIMES_LOCK:  # one load per settings, also when threads race for it
         if key not in _RUNTIMES:
+            from semanticache_rag.store import DocumentStore
+
             compressor = make_compressor(compression, compression_ratio)
-            _RUNTIMES[key] = Runtime.for_engine(Engine.from_pretrained(model, compressor=compressor))
+            disk = None if store is False else DocumentStore(None if store is True else store)
+            _RUNTIMES[key] = Runtime.for_engine(Engine.from_pretrained(model, compressor=compressor, store=disk))
         return _RUNTIMES[key]
 
 
@@ -86,6 +94,10 @@ class EngineSettings(BaseModel):
     compression: str = Field(default="none", description="Compressor of document caches: none, semanticache, ...")
     compression_ratio: float | None = Field(
         default=None, description="Fraction of KV entries the compressor removes; None: its default."
+    )
+    store: bool | str = Field(
+        default=False,
+        description="Keep document caches on disk too: True for the default store directory, or a directory path.",
     )
     max_new_tokens: int = Field(default=256, ge=1, description="Most tokens per answer.")
     temperature: float = Field(default=0.0, ge=0, description="0 decodes greedily; > 0 samples.")
@@ -118,7 +130,7 @@ class EngineSettings(BaseModel):
     def runtime(self) -> Runtime:
         """Engine and prompt cache; loaded on first use, shared by adapters with equal settings."""
         if self._runtime is None:
-            self._runtime = shared_runtime(self.model, self.compression, self.compression_ratio)
+            self._runtime = shared_runtime(self.model, self.compression, self.compression_ratio, self.store)
         return self._runtime
 
     @property

@@ -151,14 +151,24 @@ class PromptCache:
             if key in self._caches:
                 self._caches.move_to_end(key)
                 return self._caches[key], 0
-        tokenizer, engine = self.engine.tokenizer, self.engine
-        head = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
-        body = tokenizer(text[start:split], add_special_tokens=False)["input_ids"]
-        pages = torch.cat([torch.full((len(head),), -1), torch.zeros(len(body))]).to(torch.int32)
-        prefill = engine.prefill_tokens(self.documents[doc_id], head + body, pages, progress=False)
-        cache = engine.compress(prefill)
+        tokenizer, engine, document = self.engine.tokenizer, self.engine, self.documents[doc_id]
+        created = 0
+
+        def compute():
+            nonlocal created
+            head = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
+            body = tokenizer(text[start:split], add_special_tokens=False)["input_ids"]
+            pages = torch.cat([torch.full((len(head),), -1), torch.zeros(len(body))]).to(torch.int32)
+            created = len(head) + len(body)
+            return engine.compress(engine.prefill_tokens(document, head + body, pages, progress=False))
+
+        if engine.store is None:
+            cache = compute()
+        else:  # kept on disk too: another process (or a later run) with this prompt loads it
+            prompt = hashlib.sha256(f"{start}\0{text[:split]}".encode()).hexdigest()
+            cache = engine.store.fetch(engine, document, compute, prompt=prompt)
         with self._lock:
             self._caches[key] = cache
             while len(self._caches) > self.max_prefixes:
                 self._caches.popitem(last=False)
-        return cache, len(head) + len(body)
+        return cache, created

@@ -159,13 +159,13 @@ class DocumentStore:
         """
         return load_document_text(self.directory / "documents", source)
 
-    def key(self, engine, document: Document) -> CacheKey:
-        """The key under which ``engine.read(document)`` is stored."""
-        return CacheKey.for_read(engine, document, memo=self.directory / "weights.json")
+    def key(self, engine, document: Document, prompt: str = "") -> CacheKey:
+        """The key under which ``engine.read(document)`` (or a prompt prefix, see :class:`CacheKey`) is stored."""
+        return CacheKey.for_read(engine, document, memo=self.directory / "weights.json", prompt=prompt)
 
-    def fetch(self, engine, document: Document, compute) -> DocumentCache:
+    def fetch(self, engine, document: Document, compute, prompt: str = "") -> DocumentCache:
         """The cache of ``document`` for ``engine``: from memory, from disk, else ``compute()`` and store it."""
-        key = self.key(engine, document)
+        key = self.key(engine, document, prompt)
         cache = self._from_memory(key.id)
         if cache is None:
             with entry_lock(

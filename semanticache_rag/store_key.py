@@ -38,6 +38,10 @@ class CacheKey:
         (see :func:`model_identity`).
     compressor : str
         ``repr`` of the compressor dataclass: its name and full configuration.
+    prompt : str
+        Empty for :meth:`Engine.read <semanticache_rag.Engine.read>`; for a pipeline prompt that holds
+        a registered document (:class:`~semanticache_rag.prompt_cache.PromptCache`), the digest of
+        the prompt up to the document's end and of where the document starts in it.
     format_version, package_version
         Of the package that wrote the entry; another version never loads it.
     """
@@ -47,6 +51,7 @@ class CacheKey:
     model_name: str
     model: str
     compressor: str
+    prompt: str = ""
     format_version: int = FORMAT_VERSION
     package_version: str = field(default_factory=package_version)
 
@@ -56,11 +61,14 @@ class CacheKey:
         return _digest(json.dumps(asdict(self), sort_keys=True))
 
     @classmethod
-    def for_read(cls, engine, document: Document, memo: Path | None = None) -> CacheKey:
-        """The key of ``engine.read(document)`` (``memo``: see :func:`model_identity`)."""
+    def for_read(cls, engine, document: Document, memo: Path | None = None, prompt: str = "") -> CacheKey:
+        """The key of ``engine.read(document)`` (``memo``: see :func:`model_identity`), or of a
+        pipeline prompt's prefix holding ``document`` (``prompt``: see :attr:`prompt`)."""
         pages = [[p.number, p.label, p.start, p.end] for p in document.pages]
         identity = model_identity(engine, memo)
-        return cls(document.sha256, _digest(json.dumps(pages)), engine.model_name, identity, repr(engine.compressor))
+        return cls(
+            document.sha256, _digest(json.dumps(pages)), engine.model_name, identity, repr(engine.compressor), prompt
+        )
 
 
 def _digest(text: str) -> str:

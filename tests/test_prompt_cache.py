@@ -80,3 +80,29 @@ def test_lru_keeps_a_bounded_number_of_prefixes(tiny_engine, document_text):
 def test_bad_document_ids_are_rejected(tiny_engine, bad):
     with pytest.raises(ConfigError):
         PromptCache(tiny_engine).register("Some text. " * 20, doc_id=bad)
+
+
+def test_prompt_prefix_is_stored_for_the_next_process(tiny_model, tiny_tokenizer, document_text, tmp_path):
+    from semanticache_rag import Engine, SemantiCacheCompressor
+    from semanticache_rag.store import DocumentStore
+
+    def new_prompt_cache():  # a fresh engine and store object on the same directory: another process
+        store = DocumentStore(tmp_path / "store")
+        compressor = SemantiCacheCompressor(0.5)
+        engine = Engine(tiny_model, tiny_tokenizer, model_name="tiny", compressor=compressor, store=store)
+        cache = PromptCache(engine)
+        cache.register(document_text)
+        return cache
+
+    first, second = new_prompt_cache(), new_prompt_cache()
+    before = first.ask(stuff_prompt(document_text, "Who may copy it?"), max_new_tokens=6)
+    after = second.ask(stuff_prompt(document_text, "Who may copy it?"), max_new_tokens=6)
+    assert before.cache_creation_tokens > 1000 and first.engine.store.stats.writes == 1
+    assert after.cache_creation_tokens == 0 and after.cached_tokens == before.cache_creation_tokens
+    assert second.engine.store.stats.disk_hits == 1 and after.answer == before.answer
+    other = second.ask(stuff_prompt(document_text, "Other question."), max_new_tokens=3)
+    assert other.cache_creation_tokens == 0  # the same prefix: only the question differs
+    framed = [{"role": "system", "content": f"Different instructions.\n\n{document_text}"}]
+    assert second.ask(framed + [{"role": "user", "content": "Hi"}], max_new_tokens=3).cache_creation_tokens > 1000
+    plain = second.engine.read(document_text, progress=False)  # the engine's own read is another entry
+    assert second.engine.store.stats.misses == 2 and plain.length != before.cache_creation_tokens
