@@ -12,7 +12,7 @@ the fact came back. Each method runs ``--chats`` chats with different facts (fix
 - ``window``: a plain sliding window at the same budget: the oldest appended window is dropped
   whole instead of compressed.
 
-    python -m benchmarks.long_chat [--turns 30] [--chats 3] [--budget 128]
+    python -m benchmarks.long_chat [--turns 30] [--chats 3] [--budget 64] [--window 32]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def script(turns: int, chat: int, rng: random.Random) -> tuple[list[str], str, s
 
 
 def methods(budget: int, window: int) -> dict:
-    recent = min(64, window)
+    recent = window // 2
     return {
         "none": NoCompression(),
         "kara": KaraCompressor(budget_tokens=budget, window_tokens=window, recent_tokens=recent),
@@ -154,9 +154,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="model id or directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--chats", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=128, help="appended entries per head for kara and window")
-    parser.add_argument("--window", type=int, default=64, help="entries compressed (or dropped) at a time")
-    parser.add_argument("--probe-turns", type=int, nargs="+", default=[3, 4, 6, 10, 20, 30])
+    parser.add_argument("--budget", type=int, default=64, help="appended entries per head for kara and window")
+    parser.add_argument("--window", type=int, default=32, help="entries compressed (or dropped) at a time")
+    parser.add_argument("--probe-turns", type=int, nargs="+", default=[3, 4, 5, 10, 20, 30])
     parser.add_argument("--document-tokens", type=int, default=300)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--methods", nargs="+", default=["none", "kara", "window"], choices=["none", "kara", "window"])
@@ -191,7 +191,8 @@ def main(argv=None) -> None:
         f"# Long document chat ({args.turns} turns, {args.chats} chats, document {cache.length} tokens)\n\n"
         f"A fact stated in turn 2 is asked for (and the probe taken back) after turns {args.probe_turns}; "
         f"{args.max_new_tokens} new tokens per answer, greedy; kara and window keep {args.budget} appended "
-        f"entries per head and compress (kara) or drop (window) {args.window} at a time.\n\n"
+        f"entries per head and compress (kara) or drop (window) {args.window} at a time, never the newest "
+        f"{args.window // 2}.\n\n"
     )
     (args.out / "long_chat.md").write_text(header + table(rows) + "\n\n" + environment(started) + "\n")
     plot(rows, args.out / "long_chat.png")
