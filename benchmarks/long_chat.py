@@ -85,11 +85,12 @@ def methods(budget: int, window: int) -> dict:
 
 def run_chat(engine: Engine, cache, messages: list[str], probe: str, value: str, args, bar) -> dict:
     conversation = engine.conversation(cache, max_new_tokens=args.max_new_tokens)
-    seconds, conversation_bytes, recalled, probes = [], [], {}, {}
+    seconds, tokens, conversation_bytes, recalled, probes = [], [], [], {}, {}
     for turn, message in enumerate(messages, 1):
         started = time.perf_counter()
         answer = conversation.ask(message)
         seconds.append(round(time.perf_counter() - started, 3))
+        tokens.append(answer.completion_tokens)
         conversation_bytes.append(answer.conversation_bytes)
         if turn in args.probe_turns:
             reply = conversation.ask(probe, max_new_tokens=16)
@@ -98,6 +99,7 @@ def run_chat(engine: Engine, cache, messages: list[str], probe: str, value: str,
         bar.update()
     return {
         "seconds": seconds,
+        "answer_tokens": tokens,
         "conversation_bytes": conversation_bytes,
         "recalled": recalled,
         "probe_answers": probes,
@@ -110,8 +112,8 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| method | "
         + " | ".join(f"recall after turn {t}" for t in probe_turns)
-        + " | mean s/turn | s/turn, last 5 | appended KV, last turn |",
-        "|---|" + "---|" * (len(probe_turns) + 3),
+        + " | mean s/turn | s/turn, last 5 | ms per answer token | appended KV, last turn |",
+        "|---|" + "---|" * (len(probe_turns) + 4),
     ]
     for name in dict.fromkeys(r["method"] for r in rows):
         group = [r for r in rows if r["method"] == name]
@@ -119,9 +121,10 @@ def table(rows: list[dict]) -> str:
         per_turn = [s for r in group for s in r["seconds"]]
         late = [s for r in group for s in r["seconds"][-5:]]
         last = max(r["conversation_bytes"][-1] for r in group)
+        per_token = 1000 * sum(per_turn) / sum(t for r in group for t in r["answer_tokens"])
         lines.append(
             f"| {name} | {' | '.join(recall)} | {sum(per_turn) / len(per_turn):.2f} | "
-            f"{sum(late) / len(late):.2f} | {last / 2**20:.1f} MiB |"
+            f"{sum(late) / len(late):.2f} | {per_token:.0f} | {last / 2**20:.1f} MiB |"
         )
     return "\n".join(lines)
 
