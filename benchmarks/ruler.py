@@ -147,7 +147,8 @@ def run_kvpress(engine: Engine, contexts, ratios, model_dir: str, out: Path = RE
     out.mkdir(parents=True, exist_ok=True)
     by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
     earlier = _earlier_kvpress_rows(out, contexts, ratios)
-    todo = [c for c in contexts if c.context_id not in {r["context_id"] for r in earlier}]
+    finished = {r["context_id"] for r in earlier}
+    todo = [c for c in contexts if c.context_id not in finished]
     if not todo:
         return kvpress_rows(earlier, by_qid)
     tasks_path = out / "ruler_kvpress_tasks.tmp"
@@ -254,13 +255,13 @@ def main() -> None:
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
     if args.kvpress_raw:
-        ours = [json.loads(line) for line in open(args.out / "ruler.jsonl") if '"kvpress:' not in line]
+        ours = _our_rows(args.out)
         raw = [json.loads(line) for line in open(args.kvpress_raw)]
         by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
         write_results(ours + kvpress_rows(raw, by_qid), args, started)
         return
     if args.kvpress_only:
-        rows = [json.loads(line) for line in open(args.out / "ruler.jsonl") if '"kvpress:' not in line]
+        rows = _our_rows(args.out)
     else:
         rows = run_ours(engine, contexts, args.ratios, args.methods)
         write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
@@ -270,6 +271,12 @@ def main() -> None:
         chosen = [c for c in contexts if args.kvpress_lengths is None or c.length in args.kvpress_lengths]
         rows += run_kvpress(engine, chosen, args.ratios, resolve_model(args.model), args.out)
         write_results(rows, args, started)
+
+
+def _our_rows(out: Path) -> list[dict]:
+    """The rows of our methods in an earlier run's ``out/ruler.jsonl`` (kvpress rows left out)."""
+    with open(out / "ruler.jsonl") as handle:
+        return [json.loads(line) for line in handle if '"kvpress:' not in line]
 
 
 def write_results(rows: list[dict], args, started: float) -> None:
