@@ -1,5 +1,6 @@
 """semanticache-rag: read a long document once, answer many questions from its compressed KV cache."""
 
+from semanticache_rag.cache import DocumentCache, Selection
 from semanticache_rag.compressors import (
     COMPRESSORS,
     Compressor,
@@ -13,9 +14,10 @@ from semanticache_rag.compressors import (
 )
 from semanticache_rag.conversation import Answer, Conversation
 from semanticache_rag.documents import Document, Page, load_document
-from semanticache_rag.engine import DocumentCache, Engine
+from semanticache_rag.engine import Engine
 from semanticache_rag.errors import ConfigError, ContextLengthError, DocumentError, ModelLoadError, SemantiCacheError
 from semanticache_rag.generation import GenerationOptions
+from semanticache_rag.sections import SectionedCache
 from semanticache_rag.store import DocumentStore
 
 __version__ = "0.1.0"
@@ -39,6 +41,8 @@ __all__ = [
     "NoCompression",
     "Page",
     "SeKVCompressor",
+    "SectionedCache",
+    "Selection",
     "SemantiCacheCompressor",
     "SemantiCacheError",
     "StreamingLLMCompressor",

@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from semanticache_rag.compressors.kara import KaraCompressor
 from semanticache_rag.errors import ContextLengthError
 from semanticache_rag.generation import GenerationOptions, Sampler, TextStream
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.prompts import Turn
+
+if TYPE_CHECKING:
+    from semanticache_rag.cache import DocumentCache, Selection
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,10 @@ class Answer:
     cache when the answer ends (bounded by Kara's decode-time compression).
     ``prefill_s`` is the time to the first answer token,
     ``decode_s`` the time for the rest, ``tokens_per_s`` the decode rate after the first token.
+    ``pages`` are the labels of the pages the answer was conditioned on: every page of a document
+    read whole; for a long document, those of the ``sections`` (indices, of ``sections_total``)
+    that ``routing`` chose for this turn. ``routing_matched`` is False when the question matched
+    no section and the nearest ones were used instead.
     """
 
     question: str
@@ -48,6 +56,11 @@ class Answer:
     tokens_reconstructed: int = 0
     host_bytes: int = 0
     conversation_bytes: int = 0
+    pages: tuple[str, ...] = ()
+    sections: tuple[int, ...] = ()
+    sections_total: int = 1
+    routing: str = "whole document"
+    routing_matched: bool = True
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (the ``--json`` line format)."""
@@ -78,19 +91,32 @@ class Conversation:
     """A chat over one document; earlier turns stay in context.
 
     The document cache is shared, never modified; this object keeps only the tokens appended
-    after it. Not safe to use from two threads at once (use one conversation per thread; the
-    engine itself is thread-safe).
+    after it. For a long document (:class:`~semanticache_rag.sections.SectionedCache`) each turn
+    is routed to the sections it needs, and the tokens of earlier turns are computed again after
+    them when the sections change. Not safe to use from two threads at once (use one conversation
+    per thread; the engine itself is thread-safe).
+
+    Attributes
+    ----------
+    document : DocumentCache or SectionedCache
+        What was read.
+    cache : DocumentCache or None
+        The cache the last turn was answered from (``document`` itself for a document read whole;
+        the spliced sections for a long one); ``None`` before the first turn.
+    selection : Selection or None
+        Which parts of the document the last turn used.
     """
 
     def __init__(self, engine, cache, **options):
-        self.engine, self.cache = engine, cache
+        self.engine, self.document = engine, cache
         self.options = GenerationOptions(**options)
         self.turns: list[Turn] = []
-        self.kv = ConversationKV(cache.layers)
+        self.cache: DocumentCache | None = None
+        self.selection: Selection | None = None
+        self.kv: ConversationKV | None = None
         self._tail_ids: list[int] = []  # tokens in self.kv, after the document
         self.last_answer: Answer | None = None
-        compressor = engine.compressor
-        self._kara = compressor if isinstance(compressor, KaraCompressor) and cache.zoom is None else None
+        self._kara: KaraCompressor | None = None
         self._compressed_tokens = 0  # tail tokens whose entries Kara has compressed...
         self._squeezed = 0  # ...into this many entries (per head), at the front of the appended ones
 
@@ -111,6 +137,7 @@ class Conversation:
         """Like :meth:`stream`, for a tail already tokenised (everything after the document)."""
         opts = GenerationOptions(**{**asdict(self.options), **options})
         engine, start = self.engine, time.perf_counter()
+        self._use_document(question, len(tail), opts)
         reused, budget = self._prepare(tail)
         zoom = None
         if self.cache.zoom is not None:  # rebuild the spans this question needs; the whole tail is recomputed
@@ -118,7 +145,7 @@ class Conversation:
             reused = 0
         stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings)
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
-        logits = engine.forward(self.kv, tail[reused:], self.cache.length + reused)[-1]
+        logits = engine.forward(self.kv, tail[reused:], self.cache.positions + reused)[-1]
         self._tail_ids = list(tail)
         self._squeeze()
         first = time.perf_counter()
@@ -135,7 +162,7 @@ class Conversation:
             if stream.stopped:
                 finish = "stop"
                 break
-            logits = engine.forward(self.kv, [token], self.cache.length + len(self._tail_ids))[-1]
+            logits = engine.forward(self.kv, [token], self.cache.positions + len(self._tail_ids))[-1]
             self._tail_ids.append(token)
             self._squeeze()
         rest = stream.flush()
@@ -143,15 +170,28 @@ class Conversation:
             yield rest
         self._finish(question, stream, len(tail), reused, generated, finish, (start, first), zoom)
 
+    def _use_document(self, question: str, tail_len: int, opts: GenerationOptions) -> None:
+        """Choose the parts of the document this turn needs; a new choice starts a new working cache."""
+        engine = self.engine
+        room = engine.context_length - tail_len - min(opts.max_new_tokens, engine.answer_reserve)
+        selection = self.document.select(engine, question, room, self.selection)
+        if self.cache is None or selection.sections != self.selection.sections:
+            self.cache = self.document.assemble(engine, selection)
+            self.kv, self._tail_ids = ConversationKV(self.cache.layers), []
+            self._compressed_tokens = self._squeezed = 0
+            compressor = engine.compressor
+            self._kara = compressor if isinstance(compressor, KaraCompressor) and self.cache.zoom is None else None
+        self.selection = selection
+
     def _prepare(self, tail: list[int]) -> tuple[int, int]:
         """How many of ``tail`` are already cached (the rest is cropped), and room to answer."""
         engine = self.engine
         if not tail:
             raise ValueError("a question needs at least one token after the document")
-        budget = engine.context_length - self.cache.length - len(tail)
+        budget = engine.context_length - self.cache.positions - len(tail)
         if budget < 1:
             raise ContextLengthError(
-                f"the conversation needs {self.cache.length + len(tail):,} tokens of context; "
+                f"the conversation needs {self.cache.positions + len(tail):,} tokens of context; "
                 f"{engine.model_name} has {engine.context_length:,}. "
                 "Start a new conversation or ask a shorter question."
             )
@@ -203,6 +243,11 @@ class Conversation:
             tokens_reconstructed=0 if zoom is None else zoom.tokens_reconstructed,
             host_bytes=self.cache.host_nbytes,
             conversation_bytes=sum(2 * layer.keys[:, :, : layer.length].nbytes for layer in self.kv.layers),
+            pages=self.selection.pages,
+            sections=self.selection.sections,
+            sections_total=self.selection.total_sections,
+            routing=self.selection.routing,
+            routing_matched=self.selection.matched,
         )
 
     def _eos_ids(self) -> set[int]:

@@ -7,88 +7,26 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
+from semanticache_rag.cache import DocumentCache
 from semanticache_rag.compressors import CompressionContext, Compressor, NoCompression
 from semanticache_rag.documents import Document, load_document
 from semanticache_rag.errors import ConfigError, ContextLengthError
 from semanticache_rag.kv import ConversationKV, LayerKV
 from semanticache_rag.prompts import DEFAULT_SYSTEM_PROMPT, PromptFormat
+from semanticache_rag.rotation import rope_frequencies
+from semanticache_rag.sections import POSITIONS
 
 if TYPE_CHECKING:
+    from semanticache_rag.sections import SectionedCache
     from semanticache_rag.store import DocumentStore
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, eq=False)
-class DocumentCache:
-    """A document read once: its (compressed) KV cache and what maps tokens back to pages.
-
-    Immutable: questions and conversations append to caches of their own.
-
-    Attributes
-    ----------
-    document : Document
-        The text and pages that were read.
-    layers : tuple of LayerKV
-        Per decoder layer, the cache after compression.
-    prefix_ids : Tensor (N,)
-        Template head + document tokens; ``N`` is also where appended positions start.
-    token_pages : Tensor (N,) int32
-        0-based index into ``document.pages`` per token, -1 for template tokens.
-    model_name, compressor : str
-        What produced the cache.
-    prefill_s, compress_s : float
-        Seconds spent reading and compressing.
-    zoom : object or None
-        Host-side state of compressors that re-expand parts of the document per question
-        (:class:`~semanticache_rag.compressors.sekv.SpanIndex`); ``None`` for the others.
-    """
-
-    document: Document
-    layers: tuple[LayerKV, ...]
-    prefix_ids: torch.Tensor
-    token_pages: torch.Tensor
-    model_name: str
-    compressor: str
-    prefill_s: float
-    compress_s: float
-    zoom: object | None = None
-
-    @property
-    def length(self) -> int:
-        """Original tokens (template head + document) the cache stands for."""
-        return int(self.prefix_ids.numel())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all cache tensors, padding and size bookkeeping included."""
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def full_nbytes(self) -> int:
-        """Bytes the uncompressed cache of the same tokens takes."""
-        return sum(2 * layer.keys[:, :, :1].nbytes * self.length for layer in self.layers)
-
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes kept beside the cache in host memory (SeKV's span copies), 0 for most compressors."""
-        return 0 if self.zoom is None else self.zoom.nbytes
-
-    @property
-    def layer_compression_ratios(self) -> list[float]:
-        """Fraction of KV entries removed, per layer."""
-        return [1 - layer.num_entries / (layer.keys.shape[1] * self.length) for layer in self.layers]
-
-    @property
-    def compression_ratio(self) -> float:
-        """Fraction of KV entries removed, over all layers and heads."""
-        full = sum(layer.keys.shape[1] * self.length for layer in self.layers)
-        return 1 - sum(layer.num_entries for layer in self.layers) / full
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,6 +62,15 @@ class Engine:
     store : DocumentStore or None
         Where :meth:`read` keeps document caches and finds those read before (in memory and on
         disk, shared between processes); ``None`` (the default) reads every document afresh.
+    section_tokens : int
+        A document longer than the context is read in sections of at most this many tokens
+        (:mod:`semanticache_rag.sections`); one that fits is read whole.
+    positions : str
+        How a long document's sections are placed per question: ``"compact"`` (each starts where
+        the previous one's entries end, so compressed sections take fewer positions) or
+        ``"contiguous"``.
+    max_sections : int or None
+        Most sections of a long document per question; ``None``: as many as fit the context.
     """
 
     def __init__(
@@ -137,17 +84,24 @@ class Engine:
         prefill_chunk: int = 512,
         answer_reserve: int = 256,
         store: DocumentStore | None = None,
+        section_tokens: int = 1024,
+        positions: str = "compact",
+        max_sections: int | None = None,
     ):
-        if prefill_chunk < 1 or answer_reserve < 0:
+        if prefill_chunk < 1 or answer_reserve < 0 or section_tokens < 16:
             raise ConfigError(
-                f"prefill_chunk must be >= 1 and answer_reserve >= 0, got {prefill_chunk}, {answer_reserve}"
+                "prefill_chunk must be >= 1, answer_reserve >= 0 and section_tokens >= 16, got "
+                f"{prefill_chunk}, {answer_reserve}, {section_tokens}"
             )
+        if positions not in POSITIONS or (max_sections is not None and max_sections < 1):
+            raise ConfigError(f"positions must be one of {POSITIONS} and max_sections >= 1 or None")
         self.model, self.tokenizer = model, tokenizer
         self.compressor = compressor or NoCompression()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
         self.prompt = PromptFormat(tokenizer, system_prompt)
         self.prefill_chunk, self.answer_reserve = prefill_chunk, answer_reserve
         self.store = store
+        self.section_tokens, self.positions, self.max_sections = section_tokens, positions, max_sections
         self._lock = threading.Lock()
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -180,6 +134,16 @@ class Engine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def read_limit(self) -> int:
+        """Most tokens (template head + document) read whole; longer documents are read in sections."""
+        return self.context_length - self.answer_reserve
+
+    @cached_property
+    def rope_frequencies(self) -> list[torch.Tensor]:
+        """Per layer, the rotary frequencies that move cached keys (:mod:`semanticache_rag.rotation`)."""
+        return [f.to(self.device) for f in rope_frequencies(self.model)]
+
     def forward(self, kv: ConversationKV, ids: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:
         """Run ``ids`` at positions ``start...`` appending to ``kv``; return their last logits (K, V)."""
         input_ids = torch.tensor([ids], device=self.device)
@@ -195,39 +159,82 @@ class Engine:
             )
         return out.logits[0]
 
+    @cached_property
+    def head_ids(self) -> list[int]:
+        """Tokens of the prompt head, before the document."""
+        return self.tokenizer(self.prompt.head, add_special_tokens=False)["input_ids"]
+
+    def tokenize_document(self, document: Document) -> tuple[list[int], list[int], torch.Tensor]:
+        """The document's tokens, the character offset where each starts, and each one's page index."""
+        body = self.tokenizer(document.text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = [start for start, _ in body["offset_mapping"]]
+        starts = torch.tensor([p.start for p in document.pages])
+        pages = (torch.searchsorted(starts, torch.tensor(offsets, dtype=torch.long), right=True) - 1).clamp(min=0)
+        return body["input_ids"], offsets, pages.to(torch.int32)
+
     def tokenize_prefix(self, document: Document) -> tuple[list[int], torch.Tensor]:
         """Tokens of template head + document, and each token's page index (-1: template)."""
-        head = self.tokenizer(self.prompt.head, add_special_tokens=False)["input_ids"]
-        body = self.tokenizer(document.text, add_special_tokens=False, return_offsets_mapping=True)
-        starts = torch.tensor([p.start for p in document.pages])
-        offsets = torch.tensor([o[0] for o in body["offset_mapping"]], dtype=torch.long)
-        pages = (torch.searchsorted(starts, offsets, right=True) - 1).clamp(min=0).to(torch.int32)
-        return head + body["input_ids"], torch.cat([torch.full((len(head),), -1, dtype=torch.int32), pages])
+        ids, _, pages = self.tokenize_document(document)
+        head = self.head_ids
+        return head + ids, torch.cat([torch.full((len(head),), -1, dtype=torch.int32), pages])
 
-    def read(self, source, *, progress: bool = True) -> DocumentCache:
+    def read(self, source, *, progress: bool = True) -> DocumentCache | SectionedCache:
         """Read a document (path, text or :class:`Document`) once and return its cache.
 
-        With a :attr:`store`, a document read before by the same model and compressor is loaded
-        from it instead (same tensors, so the same answers), and a new one is stored.
+        A document that fits the context (with :attr:`answer_reserve` to spare) is read whole into
+        a :class:`DocumentCache`; a longer one section by section into a
+        :class:`~semanticache_rag.sections.SectionedCache`, each section compressed as soon as it
+        is read, so memory holds one section's full KV at most. Either answers questions the same
+        way (:meth:`ask`, :meth:`conversation`). With a :attr:`store`, a document read before by
+        the same model and compressor is loaded from it instead (same tensors, so the same
+        answers), and a new one is stored.
 
         Raises
         ------
         DocumentError
             The document cannot be read.
         ContextLengthError
-            The document and room for an answer exceed the model's context (checked before
-            any model work).
+            The model's context cannot hold one section and a question (checked before any model work).
+        StoreError
+            The document's cache would not fit the store's disk budget (checked before reading).
         """
         if self.store is None:
-            return self.compress(self.prefill(source, progress=progress))
+            return self._read(load_document(source), progress)
         document = self.store.load_document(source)  # skips text extraction for a file read before
-        return self.store.fetch(self, document, lambda: self.compress(self.prefill(document, progress=progress)))
+        return self.store.fetch(self, document, lambda sections=None: self._read(document, progress, sections))
+
+    def _read(self, document: Document, progress: bool, sections=None):
+        from semanticache_rag.reading import read_sections
+
+        ids, offsets, pages = self.tokenize_document(document)
+        if len(self.head_ids) + len(ids) <= self.read_limit:
+            head = torch.full((len(self.head_ids),), -1, dtype=torch.int32)
+            prefill = self.prefill_tokens(document, self.head_ids + ids, torch.cat([head, pages]), progress=progress)
+            return self.compress(prefill)
+        if len(self.head_ids) + self.section_tokens > self.read_limit:
+            raise ContextLengthError(
+                f"{document.name} ({len(ids):,} tokens) is read in sections of up to {self.section_tokens:,} tokens; "
+                f"{self.model_name} reads at most {self.read_limit:,} with the prompt head ({len(self.head_ids)}); "
+                "use a smaller section_tokens"
+            )
+        if self.store is not None:  # a long read whose result the store could not keep: say so before it starts
+            self.store.check_fits(self.estimated_nbytes(len(self.head_ids) + len(ids)), document.name)
+        return read_sections(self, document, (ids, offsets, pages), progress=progress, checkpoint=sections)
+
+    def estimated_nbytes(self, tokens: int) -> int:
+        """About how many bytes the cache of ``tokens`` tokens takes with this engine's compressor."""
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        per_token = 2 * config.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+        return int(tokens * per_token * (1 - self.compressor.compression_ratio))
 
     def prefill(self, source, *, progress: bool = True, surprisal: bool | None = None) -> Prefill:
         """Read a document into its full, uncompressed KV (the expensive step of :meth:`read`).
 
         ``surprisal`` (default: whether the engine's compressor needs it) also records each
         token's ``-log p``. Benchmarks prefill once and :meth:`compress` with several compressors.
+        Only documents that fit the context are prefilled whole; :meth:`read` reads longer ones.
         """
         document = load_document(source)
         ids, pages = self.tokenize_prefix(document)
@@ -243,16 +250,20 @@ class Engine:
         surprisal: bool | None = None,
     ) -> Prefill:
         """Prefill given prefix tokens (``pages``: page index per token, -1 for template tokens)."""
-        limit = self.context_length - self.answer_reserve
+        limit = self.read_limit
         if len(ids) > limit:
             raise ContextLengthError(
-                f"{document.name} is {len(ids):,} tokens; {self.model_name} reads at most {limit:,} "
+                f"{document.name} is {len(ids):,} tokens; {self.model_name} prefills at most {limit:,} in one piece "
                 f"({self.context_length:,} context minus {self.answer_reserve} for question and answer). "
-                "Use a model with a longer context (--model) or split the document."
+                "Engine.read() reads longer documents in sections."
             )
         need = self.compressor.needs_surprisal if surprisal is None else surprisal
         started = time.perf_counter()
-        keys_values, token_surprisal = self._prefill(ids, document.name, progress, need)
+        kv = ConversationKV(num_layers=self.model.config.num_hidden_layers, capacity=len(ids))
+        bar = tqdm(total=len(ids), desc=f"Reading {document.name}", unit="tok", disable=not progress, leave=False)
+        with bar:
+            token_surprisal = self.run_tokens(kv, ids, 0, need, on_chunk=bar.update)
+        keys_values = [layer.appended() for layer in kv.layers]
         return Prefill(document, ids, pages, keys_values, token_surprisal, time.perf_counter() - started)
 
     def compress(self, prefill: Prefill, compressor: Compressor | None = None) -> DocumentCache:
@@ -275,18 +286,23 @@ class Engine:
             zoom,
         )
 
-    def _prefill(self, ids: list[int], name: str, progress: bool, need_surprisal: bool):
-        kv = ConversationKV(num_layers=self.model.config.num_hidden_layers, capacity=len(ids))
-        surprisal = torch.zeros(len(ids))
-        steps = range(0, len(ids), self.prefill_chunk)
-        for start in tqdm(steps, desc=f"Reading {name}", unit="chunk", disable=not progress, leave=False):
-            chunk = ids[start : start + self.prefill_chunk]
-            logits = self.forward(kv, chunk, start, logits_to_keep=len(chunk) if need_surprisal else 1)
-            if need_surprisal:  # logits at t predict token t + 1, the next chunk's first token included
-                targets = torch.tensor(ids[start + 1 : start + len(chunk) + 1])
+    def run_tokens(self, kv: ConversationKV, ids: list[int], start: int, surprisal: bool, on_chunk=None):
+        """Prefill ``ids`` at positions ``start...`` into ``kv`` in chunks of :attr:`prefill_chunk`.
+
+        Returns each token's surprisal ``-log p`` (the first one's stays 0: nothing in ``ids``
+        predicts it) when ``surprisal``, else ``None``; ``on_chunk(n)`` is called after each chunk.
+        """
+        token_surprisal = torch.zeros(len(ids))
+        for offset in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[offset : offset + self.prefill_chunk]
+            logits = self.forward(kv, chunk, start + offset, logits_to_keep=len(chunk) if surprisal else 1)
+            if surprisal:  # logits at t predict token t + 1, the next chunk's first token included
+                targets = torch.tensor(ids[offset + 1 : offset + len(chunk) + 1])
                 logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-                surprisal[start + 1 : start + 1 + len(targets)] = -logp.gather(1, targets[:, None])[:, 0]
-        return [layer.appended() for layer in kv.layers], surprisal if need_surprisal else None
+                token_surprisal[offset + 1 : offset + 1 + len(targets)] = -logp.gather(1, targets[:, None])[:, 0]
+            if on_chunk is not None:
+                on_chunk(len(chunk))
+        return token_surprisal if surprisal else None
 
     def generate_uncached(self, cache: DocumentCache, turns, max_new_tokens: int = 256) -> str:
         """Greedy answer from re-reading the whole prompt with ``model.generate`` (no cache reuse).

@@ -154,7 +154,7 @@ class PromptCache:
         tokenizer, engine, document = self.engine.tokenizer, self.engine, self.documents[doc_id]
         created = 0
 
-        def compute():
+        def compute(sections=None):  # a prompt prefix is read whole: no sections to keep
             nonlocal created
             head = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
             body = tokenizer(text[start:split], add_special_tokens=False)["input_ids"]

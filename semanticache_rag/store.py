@@ -33,16 +33,17 @@ from pathlib import Path
 
 from safetensors.torch import save as save_tensors
 
+from semanticache_rag.cache import DocumentCache
 from semanticache_rag.documents import Document
-from semanticache_rag.engine import DocumentCache
 from semanticache_rag.errors import ConfigError, StoreError
 from semanticache_rag.models import home_dir
+from semanticache_rag.sections import SectionedCache
 from semanticache_rag.store_format import (
     ENTRY_ID,
-    LOAD_ERRORS,
     EntryRejected,
     atomic_write,
     build_manifest,
+    cache_record,
     cache_tensors,
     check_manifest,
     entry_lock,
@@ -52,6 +53,15 @@ from semanticache_rag.store_format import (
     remove_leftovers,
 )
 from semanticache_rag.store_key import CacheKey
+from semanticache_rag.store_sections import (
+    SECTIONS_SUFFIX,
+    SectionFiles,
+    folder_bytes,
+    load_sectioned,
+    remove_folder,
+    sectioned_records,
+    sections_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,30 +173,51 @@ class DocumentStore:
         """The key under which ``engine.read(document)`` (or a prompt prefix, see :class:`CacheKey`) is stored."""
         return CacheKey.for_read(engine, document, memo=self.directory / "weights.json", prompt=prompt)
 
-    def fetch(self, engine, document: Document, compute, prompt: str = "") -> DocumentCache:
-        """The cache of ``document`` for ``engine``: from memory, from disk, else ``compute()`` and store it."""
+    def fetch(self, engine, document: Document, compute, prompt: str = "") -> DocumentCache | SectionedCache:
+        """The cache of ``document`` for ``engine``: from memory, from disk, else ``compute(sections)`` and store it.
+
+        ``sections`` is where a long document's read keeps the sections it finished
+        (:class:`~semanticache_rag.store_sections.SectionFiles`), so that an interrupted read resumes.
+        An entry that cannot be loaded for a reason other than proven damage (an I/O error, a bug,
+        memory) is kept as it is: the document is read again and the new cache is not written over it.
+        """
         key = self.key(engine, document, prompt)
         cache = self._from_memory(key.id)
         if cache is None:
             with entry_lock(
                 self._lock_path(key.id), self.lock_timeout_s
             ):  # another process reading this document: wait for its entry
-                cache = self._from_disk(key, document, engine)
+                cache, intact = self._from_disk(key, document, engine)
                 if cache is None:
                     self.stats.misses += 1
-                    cache = compute()
-                    self.put(key, cache)
+                    files = SectionFiles(sections_folder(self.directory, key.id), document, engine)
+                    if self.disk_budget_bytes == 0 or not intact:
+                        files.complete = False  # nothing of this read goes to disk
+                    cache = compute(files)
+                    self._remember(key.id, cache)
+                    if intact:
+                        self._save(key, cache, files)
         return cache if cache.document == document else replace(cache, document=document)
 
-    def get(self, key: CacheKey, document: Document, engine) -> DocumentCache | None:
-        """The stored cache of ``key`` (rebuilt for ``document`` on ``engine``'s device), or ``None``."""
-        cache = self._from_memory(key.id)
-        return cache if cache is not None else self._from_disk(key, document, engine)
+    def check_fits(self, nbytes: int, name: str) -> None:
+        """Refuse, before reading, a document whose cache alone would exceed the disk budget.
 
-    def put(self, key: CacheKey, cache: DocumentCache) -> None:
+        Raises
+        ------
+        StoreError
+            ``nbytes`` (an estimate of the entry) is larger than the disk budget.
+        """
+        if 0 < self.disk_budget_bytes < nbytes:
+            raise StoreError(
+                f"the cache of {name} would take about {nbytes / 2**20:,.0f} MiB, more than the document store's disk "
+                f"budget of {self.disk_budget_bytes / 2**20:,.0f} MiB; raise the budget (e.g. "
+                "SEMANTICACHE_DISK_BUDGET=20G), compress more (--ratio), or read without the store (--no-store)"
+            )
+
+    def put(self, key: CacheKey, cache: DocumentCache | SectionedCache) -> None:
         """Keep ``cache`` in memory and on disk (failures to write are logged, never raised)."""
         self._remember(key.id, cache)
-        self._save(key, cache)
+        self._save(key, cache, SectionFiles(sections_folder(self.directory, key.id), cache.document, None))
 
     # -- memory tier ----------------------------------------------------------------------
 
@@ -223,30 +254,40 @@ class DocumentStore:
             raise ConfigError(f"invalid cache id {entry_id!r}: expected 64 hex digits")
         return self.directory / f"{entry_id}.json", self.directory / f"{entry_id}.safetensors"
 
-    def _from_disk(self, key: CacheKey, document: Document, engine) -> DocumentCache | None:
+    def _from_disk(self, key: CacheKey, document: Document, engine):
+        """(cache or ``None``, whether the entry may be written): a cache that failed to load for a
+        reason other than proven damage is kept on disk, and not overwritten by this process."""
         entry_id = key.id
         manifest_path, tensors_path = self._paths(entry_id)
         if entry_id in self._ignored:
-            return None
+            return None, False
         try:
             raw = manifest_path.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            return None, True
         except OSError as exc:
             self._warn_once("read", f"Cannot read document caches in {self.directory}: {exc}")
-            return None
+            return None, False
         started = time.perf_counter()
         try:
             manifest = json.loads(raw)
             check_manifest(manifest, key)
-            cache = load_cache(manifest, tensors_path.read_bytes(), document, engine)
+            data = tensors_path.read_bytes()
+            if "sections" in manifest:
+                folder = sections_folder(self.directory, entry_id)
+                cache = load_sectioned(manifest, data, folder, document, engine)
+            else:
+                cache = load_cache(manifest, data, document, engine)
         except FileNotFoundError:
             if manifest_path.exists():
                 self._reject(entry_id, "its tensor file is missing")
-            return None  # else evicted by another process meanwhile: a plain miss
-        except (EntryRejected, *LOAD_ERRORS) as exc:
-            self._reject(entry_id, str(exc) or type(exc).__name__, delete=not isinstance(exc, ImportError))
-            return None
+            return None, True  # else evicted by another process meanwhile: a plain miss
+        except (EntryRejected, json.JSONDecodeError) as exc:  # proven unusable: a bad checksum, format, key or shape
+            self._reject(entry_id, str(exc) or type(exc).__name__)
+            return None, True
+        except Exception as exc:  # noqa: BLE001 - I/O, memory or a bug of ours: keep the user's entry
+            self._keep(entry_id, f"{type(exc).__name__}: {exc}")
+            return None, False
         self.stats.disk_hits += 1
         self._touch(entry_id)
         self._remember(entry_id, cache)
@@ -254,18 +295,26 @@ class DocumentStore:
         logger.info(
             "Loaded the cache of %s (%d tokens) from %s in %.2fs", document.name, cache.length, tensors_path, seconds
         )
-        return cache
+        return cache, True
 
-    def _save(self, key: CacheKey, cache: DocumentCache) -> None:
+    def _save(self, key: CacheKey, cache, files: SectionFiles) -> None:
         manifest_path, tensors_path = self._paths(key.id)
         if self.disk_budget_bytes == 0:
             return
+        head = cache.head if isinstance(cache, SectionedCache) else cache
         try:
-            data = save_tensors(cache_tensors(cache))
+            data = save_tensors(cache_tensors(head))
         except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
             self._warn_once(f"save:{cache.compressor}", f"Cannot store caches of {cache.compressor}: {exc}")
             return
-        manifest = build_manifest(cache, key, hashlib.sha256(data).hexdigest(), len(data))
+        digest = hashlib.sha256(data).hexdigest()
+        if isinstance(cache, SectionedCache):
+            records = sectioned_records(cache, files, digest, len(data))
+            if records is None:  # a section could not be written
+                return
+        else:
+            records = cache_record(cache, digest, len(data))
+        manifest = build_manifest(cache, key, records)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             atomic_write(tensors_path, data)
@@ -278,6 +327,17 @@ class DocumentStore:
         self.stats.writes += 1
         self._ignored.discard(key.id)
         self._enforce_disk_budget(keep=key.id, name=cache.document.name)
+
+    def _keep(self, entry_id: str, reason: str) -> None:
+        """An entry that could not be loaded but is not proven damaged: left on disk, skipped by this process."""
+        self.stats.rejected += 1
+        self._ignored.add(entry_id)
+        logger.warning(
+            "Cannot load stored cache %s in %s (%s); it is kept, and the document is read again without storing it",
+            entry_id[:12],
+            self.directory,
+            reason,
+        )
 
     def _reject(self, entry_id: str, reason: str, delete: bool = True) -> None:
         self.stats.rejected += 1
@@ -296,6 +356,7 @@ class DocumentStore:
         manifest_path, tensors_path = self._paths(entry_id)
         manifest_path.unlink(missing_ok=True)  # first: the entry is gone before its tensors are
         tensors_path.unlink(missing_ok=True)
+        remove_folder(sections_folder(self.directory, entry_id))
         if memory:
             with self._memory_lock:
                 self._memory.pop(entry_id, None)
@@ -333,6 +394,14 @@ class DocumentStore:
     def _remove_leftovers(self, older_than_s: float) -> None:
         last_used = min([e.last_used for e in self.entries()] + [time.time()])
         remove_leftovers(self.directory, older_than_s, last_used)
+        cutoff = time.time() - older_than_s
+        with contextlib.suppress(OSError):  # sections of reads that never finished (crashed, interrupted)
+            for folder in self.directory.glob(f"*{SECTIONS_SUFFIX}"):
+                entry_id = folder.name.removesuffix(SECTIONS_SUFFIX)
+                if not ENTRY_ID.fullmatch(entry_id) or (self.directory / f"{entry_id}.json").exists():
+                    continue
+                if folder.stat().st_mtime < cutoff and not is_locked(self._lock_path(entry_id)):
+                    remove_folder(folder)
 
     # -- listing and removing -------------------------------------------------------------
 
@@ -355,6 +424,7 @@ class DocumentStore:
         except ValueError:
             manifest = None
         tensor_bytes = tensors_path.stat().st_size if tensors_path.exists() else 0
+        tensor_bytes += folder_bytes(sections_folder(self.directory, entry_id))
         return StoredEntry(entry_id, manifest, stat.st_size + tensor_bytes, stat.st_mtime)
 
     @property

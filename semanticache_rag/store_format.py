@@ -38,8 +38,8 @@ from filelock import FileLock
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 
+from semanticache_rag.cache import DocumentCache
 from semanticache_rag.documents import Document, Page, load_document
-from semanticache_rag.engine import DocumentCache
 from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("semanticache_rag.store")
 
 FORMAT_NAME = "semanticache-rag document cache"
-FORMAT_VERSION = 2  # 2: coded and shared layers stored as they are
+FORMAT_VERSION = 3  # 2: coded and shared layers stored as they are; 3: long documents as sections
 TMP_PREFIX = ".tmp-"
 ENTRY_ID = re.compile(r"[0-9a-f]{64}")  # the only names entry files have
 
@@ -275,17 +275,9 @@ def _code_from_parts(meta: dict, tensors: dict[str, torch.Tensor], prefix: str):
     return cls(**kwargs)
 
 
-def build_manifest(cache: DocumentCache, key: CacheKey, tensors_sha256: str, tensors_bytes: int) -> dict:
-    """The JSON manifest of an entry (written after its tensor file)."""
-    doc = cache.document
+def cache_record(cache: DocumentCache, tensors_sha256: str, tensors_bytes: int) -> dict:
+    """What loading one :class:`DocumentCache` back needs besides its tensor file (see :func:`load_cache`)."""
     return {
-        "format": FORMAT_NAME,
-        "format_version": key.format_version,
-        "package_version": key.package_version,
-        "id": key.id,
-        "key": asdict(key),
-        "document": {"name": doc.name, "source": doc.source, "sha256": doc.sha256, "extractor": doc.extractor},
-        "pages": doc.total_pages,
         "tokens": cache.length,
         "layers": len(cache.layers),
         "nbytes": cache.nbytes,
@@ -297,8 +289,35 @@ def build_manifest(cache: DocumentCache, key: CacheKey, tensors_sha256: str, ten
         "compress_s": cache.compress_s,
         "zoom": cache.zoom is not None,
         "layer_storage": [_layer_parts(layer, cache.layers)[0] for layer in cache.layers],
-        "created": time.time(),
         "tensors": {"sha256": tensors_sha256, "bytes": tensors_bytes},
+    }
+
+
+def build_manifest(cache, key: CacheKey, records: dict) -> dict:
+    """The JSON manifest of an entry (written after its tensor files).
+
+    ``records`` says how to load it: a document read whole, its :func:`cache_record`; a long one,
+    ``{"head": record, "sections": [record, ...]}`` (see :mod:`semanticache_rag.store_sections`).
+    """
+    doc = cache.document
+    return {
+        "format": FORMAT_NAME,
+        "format_version": key.format_version,
+        "package_version": key.package_version,
+        "id": key.id,
+        "key": asdict(key),
+        "document": {"name": doc.name, "source": doc.source, "sha256": doc.sha256, "extractor": doc.extractor},
+        "pages": doc.total_pages,
+        "tokens": cache.length,
+        "nbytes": cache.nbytes,
+        "full_nbytes": cache.full_nbytes,
+        "compression_ratio": cache.compression_ratio,
+        "model_name": cache.model_name,
+        "compressor": cache.compressor,
+        "prefill_s": cache.prefill_s,
+        "compress_s": cache.compress_s,
+        **records,
+        "created": time.time(),
     }
 
 
@@ -315,10 +334,23 @@ def check_manifest(manifest, key: CacheKey) -> None:
 
 
 def load_cache(manifest: dict, data: bytes, document: Document, engine) -> DocumentCache:
-    """Rebuild a :class:`DocumentCache` from a checked manifest and the tensor file's bytes."""
-    if hashlib.sha256(data).hexdigest() != manifest["tensors"]["sha256"]:
-        raise EntryRejected(f"tensor file checksum mismatch ({len(data):,} bytes)")
-    tensors = load_tensors(data)
+    """Rebuild a :class:`DocumentCache` from its :func:`cache_record` (or a checked manifest that
+    holds one) and the tensor file's bytes.
+
+    Raises
+    ------
+    EntryRejected
+        The bytes fail their checksum, or the record does not describe them (a format mismatch).
+    """
+    try:
+        if hashlib.sha256(data).hexdigest() != manifest["tensors"]["sha256"]:
+            raise EntryRejected(f"tensor file checksum mismatch ({len(data):,} bytes)")
+        return _rebuild(manifest, load_tensors(data), document, engine)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # the manifest names what the file lacks
+        raise EntryRejected(f"the manifest does not describe its tensors ({type(exc).__name__}: {exc})") from exc
+
+
+def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], document: Document, engine) -> DocumentCache:
     tokens, num_layers = int(manifest["tokens"]), int(manifest["layers"])
     prefix_ids, token_pages = tensors.pop("prefix_ids"), tensors.pop("token_pages")
     if prefix_ids.shape != (tokens,) or token_pages.shape != (tokens,) or prefix_ids.dtype != torch.long:

@@ -34,8 +34,8 @@ class CacheKey:
     model_name : str
         The engine's model name (reported in answers).
     model : str
-        Digest of the model identity: weights, config, dtype, tokenizer, prompt head, prefill chunk
-        (see :func:`model_identity`).
+        Digest of the model identity: weights, config, dtype, tokenizer, prompt head, prefill chunk,
+        section length (see :func:`model_identity`).
     compressor : str
         ``repr`` of the compressor dataclass: its name and full configuration.
     prompt : str
@@ -87,7 +87,7 @@ def model_identity(engine, memo: Path | None = None) -> str:
     (SHA-256 of each weight file, memoised in ``memo`` by path, size and modification time, so a
     process pays it once per model file, ~0.7 s for the default model's 540 MB); otherwise from
     the in-memory state dict (names, dtypes, shapes, bytes). Config, dtype, tokenizer, prompt head
-    and prefill chunk size are part of the identity too: each changes the cached keys and values.
+    prefill chunk and section sizes are part of the identity too: each changes the cached keys and values.
     """
     if engine in _IDENTITIES:
         return _IDENTITIES[engine]
@@ -103,6 +103,7 @@ def model_identity(engine, memo: Path | None = None) -> str:
         "tokenizer": _digest(vocab),
         "head": engine.prompt.head,
         "prefill_chunk": engine.prefill_chunk,
+        "section_tokens": engine.section_tokens,
     }
     identity = _digest(json.dumps(parts, sort_keys=True, default=str))
     _IDENTITIES[engine] = identity

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from semanticache_rag import ConfigError, ContextLengthError
+from semanticache_rag import ConfigError, ContextLengthError, Engine
 from semanticache_rag.prompts import Turn
 
 
@@ -80,11 +80,12 @@ def test_bad_generation_options(tiny_engine, document_text, bad):
         tiny_engine.ask(cache, "?", **bad)
 
 
-def test_document_longer_than_context_fails_before_model_work(tiny_engine, monkeypatch):
+def test_sections_longer_than_the_context_fail_before_model_work(tiny_model, tiny_tokenizer, monkeypatch):
+    engine = Engine(tiny_model, tiny_tokenizer, model_name="tiny", section_tokens=4000)
     calls = []
-    monkeypatch.setattr(tiny_engine, "forward", lambda *a, **k: calls.append(a))
-    with pytest.raises(ContextLengthError, match=r"tokens; tiny reads at most 1,792"):
-        tiny_engine.read("word " * 5000, progress=False)
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: calls.append(a))
+    with pytest.raises(ContextLengthError, match=r"sections of up to 4,000 tokens; tiny reads at most 1,792"):
+        engine.read("word " * 5000, progress=False)
     assert not calls
 
 

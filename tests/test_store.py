@@ -506,7 +506,9 @@ def with_zoom(engine, doc, state):
     """What a zooming compressor's read computes: a cache with host-side span state."""
     import dataclasses
 
-    return lambda: dataclasses.replace(engine.compress(engine.prefill(doc, progress=False)), zoom=FakeSpanIndex(state))
+    return lambda sections: dataclasses.replace(
+        engine.compress(engine.prefill(doc, progress=False)), zoom=FakeSpanIndex(state)
+    )
 
 
 def test_zoom_state_round_trip_and_unavailable_zoom(engine, document_text, monkeypatch):

@@ -125,7 +125,7 @@ class SpanIndex:
 
         kv = ConversationKV(cache.layers)
         kv.observe = observe
-        engine.forward(kv, tail, cache.length)
+        engine.forward(kv, tail, cache.positions)
         return total
 
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:

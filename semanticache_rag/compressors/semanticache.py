@@ -20,6 +20,7 @@ reachable with room left for the similarity search).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -37,6 +38,8 @@ from semanticache_rag.kernels.gsc_ref import (
     merge_clusters,
 )
 from semanticache_rag.kv import LayerKV
+
+logger = logging.getLogger(__name__)
 
 _MAX_WIDTH = 512  # longest chunk coarsening may build
 
@@ -121,7 +124,11 @@ class SemantiCacheCompressor(Compressor):
         if target >= num_tokens:  # nothing to remove
             return _Plan(ChunkLayout.from_chunk_ids(torch.arange(num_tokens)), protected, target)
         protected[: self.sink_tokens] = True
-        protected[max(0, num_tokens - self.window_tokens) :] = True
+        window = self.window_tokens
+        if int(protected.sum()) + window >= target:  # a short text (a long document's last section): a shorter window
+            window = max(0, (target - int(protected.sum())) // 2)
+            logger.debug("%d entries per head: the protected window shrinks to %d tokens", target, window)
+        protected[max(0, num_tokens - window) :] = True
         if int(protected.sum()) >= target:
             raise ConfigError(
                 f"the budget of {target} entries per head does not cover the {int(protected.sum())} template, "

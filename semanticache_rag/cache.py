@@ -1,0 +1,153 @@
+"""The document cache: a document read once, its (compressed) per-layer KV and its token -> page map.
+
+Data only: this module imports neither the engine nor the store. A document longer than the
+model's context is a :class:`~semanticache_rag.sections.SectionedCache` of such caches; both
+answer the same two calls, which a conversation makes once per turn to get the cache it answers
+that turn from (:meth:`DocumentCache.select`, :meth:`DocumentCache.assemble`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from semanticache_rag.documents import Document
+from semanticache_rag.kv import LayerKV
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which parts of a document one turn is answered from.
+
+    Attributes
+    ----------
+    sections : tuple of int
+        Indices of the sections used, in document order (``(0,)`` for a document read whole).
+    total_sections : int
+        Sections the document has.
+    pages : tuple of str
+        Labels of the pages those sections cover, in order.
+    routing : str
+        How they were chosen: ``"whole document"``, or the router's name (e.g. ``"bm25"``).
+    matched : bool
+        False when no section matched the question and the nearest ones were used instead.
+    """
+
+    sections: tuple[int, ...]
+    total_sections: int
+    pages: tuple[str, ...]
+    routing: str
+    matched: bool = True
+
+
+def page_labels(document: Document, token_pages: torch.Tensor) -> tuple[str, ...]:
+    """Labels of the pages that ``token_pages`` (page index per token, -1: template) touch, in order."""
+    indices = torch.unique(token_pages[token_pages >= 0]).tolist()
+    return tuple(document.pages[i].label for i in indices)
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentCache:
+    """A document read once: its (compressed) KV cache and what maps tokens back to pages.
+
+    Immutable: questions and conversations append to caches of their own.
+
+    Attributes
+    ----------
+    document : Document
+        The text and pages that were read.
+    layers : tuple of LayerKV
+        Per decoder layer, the cache after compression.
+    prefix_ids : Tensor (N,)
+        Template head + document tokens the cache stands for.
+    token_pages : Tensor (N,) int32
+        0-based index into ``document.pages`` per token, -1 for template tokens.
+    model_name, compressor : str
+        What produced the cache.
+    prefill_s, compress_s : float
+        Seconds spent reading and compressing.
+    zoom : object or None
+        Host-side state of compressors that re-expand parts of the document per question
+        (:class:`~semanticache_rag.compressors.sekv.SpanIndex`); ``None`` for the others.
+    next_position : int or None
+        Position of the first appended token; ``None``: ``N``. Sections spliced at compact
+        positions (:mod:`semanticache_rag.sections`) end before ``N``.
+    selection : Selection or None
+        For a cache spliced from a long document's sections: which ones.
+    """
+
+    document: Document
+    layers: tuple[LayerKV, ...]
+    prefix_ids: torch.Tensor
+    token_pages: torch.Tensor
+    model_name: str
+    compressor: str
+    prefill_s: float
+    compress_s: float
+    zoom: object | None = None
+    next_position: int | None = None
+    selection: Selection | None = None
+
+    @property
+    def length(self) -> int:
+        """Original tokens (template head + document) the cache stands for."""
+        return int(self.prefix_ids.numel())
+
+    @property
+    def positions(self) -> int:
+        """Where appended tokens start: the positions the cache takes in the model's context."""
+        return self.length if self.next_position is None else self.next_position
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all cache tensors, padding and size bookkeeping included."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes the uncompressed cache of the same tokens takes."""
+        return sum(2 * layer.keys[:, :, :1].nbytes * self.length for layer in self.layers)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes kept beside the cache in host memory (SeKV's span copies), 0 for most compressors."""
+        return 0 if self.zoom is None else self.zoom.nbytes
+
+    @property
+    def num_entries(self) -> int:
+        """KV entries kept, summed over layers and KV heads."""
+        return sum(layer.num_entries for layer in self.layers)
+
+    @property
+    def layer_compression_ratios(self) -> list[float]:
+        """Fraction of KV entries removed, per layer."""
+        return [1 - layer.num_entries / (layer.keys.shape[1] * self.length) for layer in self.layers]
+
+    @property
+    def compression_ratio(self) -> float:
+        """Fraction of KV entries removed, over all layers and heads."""
+        full = sum(layer.keys.shape[1] * self.length for layer in self.layers)
+        return 1 - self.num_entries / full if full else 0.0
+
+    @property
+    def total_pages(self) -> int:
+        return self.document.total_pages
+
+    def select(self, engine, question: str, room: int, previous: Selection | None = None) -> Selection:
+        """Which parts of the document answer ``question``: all of it, for a document read whole.
+
+        ``room`` (positions left for the document after the question, earlier turns and the
+        answer) and ``previous`` (the last turn's selection) matter to a
+        :class:`~semanticache_rag.sections.SectionedCache`, which routes per turn.
+        """
+        return self._whole_document
+
+    def assemble(self, engine, selection: Selection) -> DocumentCache:
+        """The cache a turn with ``selection`` is answered from: this one."""
+        return self
+
+    @cached_property
+    def _whole_document(self) -> Selection:
+        return self.selection or Selection((0,), 1, page_labels(self.document, self.token_pages), "whole document")

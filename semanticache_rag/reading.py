@@ -1,0 +1,89 @@
+"""Reading a document longer than the model's context, one section at a time.
+
+The prompt head is prefilled once; each section is then prefilled after it (at positions
+``h .. h + n``) in chunks, compressed with the engine's compressor as soon as its prefill ends,
+and only the compressed result is kept: memory holds one section's full KV at most, whatever the
+document's length. A checkpoint (the store's partial entry) lets an interrupted read resume from
+the sections it had finished.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from semanticache_rag.cache import DocumentCache
+from semanticache_rag.compressors import CompressionContext
+from semanticache_rag.documents import Document
+from semanticache_rag.kv import ConversationKV, LayerKV
+from semanticache_rag.sections import SectionedCache, plan_sections
+
+
+def read_head(engine, document: Document) -> tuple[DocumentCache, torch.Tensor]:
+    """The prompt head's cache (uncompressed) and its last logits, which predict a section's first token."""
+    ids = engine.head_ids
+    started = time.perf_counter()
+    kv = ConversationKV(num_layers=engine.model.config.num_hidden_layers, capacity=len(ids))
+    logits = engine.forward(kv, ids, 0)[-1]
+    layers = tuple(LayerKV(*layer.appended()) for layer in kv.layers)
+    pages = torch.full((len(ids),), -1, dtype=torch.int32)
+    cache = DocumentCache(
+        document, layers, torch.tensor(ids), pages, engine.model_name, "none", time.perf_counter() - started, 0.0
+    )
+    return cache, logits
+
+
+def read_section(engine, head: DocumentCache, head_logits, ids: list[int], pages: torch.Tensor, on_chunk=None):
+    """One section prefilled after ``head`` and compressed: a :class:`DocumentCache` at positions ``h..h+n``."""
+    compressor = engine.compressor
+    started = time.perf_counter()
+    kv = ConversationKV(head.layers, capacity=len(ids))
+    surprisal = engine.run_tokens(kv, ids, head.length, compressor.needs_surprisal, on_chunk)
+    if surprisal is not None:  # the head's last position predicts the section's first token
+        surprisal[0] = -torch.log_softmax(head_logits.float(), -1)[ids[0]]
+    keys_values = [layer.appended() for layer in kv.layers]
+    read_s = time.perf_counter() - started
+    context = CompressionContext(
+        torch.tensor(ids), torch.zeros(len(ids), dtype=torch.bool), surprisal, engine.tokenizer
+    )
+    layers, zoom = compressor.compress_cache(keys_values, context)
+    return DocumentCache(
+        head.document,
+        layers,
+        torch.tensor(ids),
+        pages,
+        engine.model_name,
+        repr(compressor),
+        read_s,
+        time.perf_counter() - started - read_s,
+        zoom,
+    )
+
+
+def read_sections(engine, document: Document, tokens, *, progress: bool = True, checkpoint=None) -> SectionedCache:
+    """Read ``document`` (``tokens``: ids, character offsets, pages from :meth:`Engine.tokenize_document`)
+    as sections of at most ``engine.section_tokens`` tokens.
+
+    ``checkpoint``, when given, has ``load(k) -> DocumentCache | None`` (a section finished by an
+    earlier, interrupted read) and ``save(k, section)``.
+    """
+    ids, offsets, pages = tokens
+    ranges = plan_sections(document, offsets, engine.section_tokens)
+    head, head_logits = read_head(engine, document)
+    sections = []
+    bar = tqdm(total=len(ids), desc=f"Reading {document.name}", unit="tok", disable=not progress, leave=False)
+    with bar:
+        for k, (start, end) in enumerate(ranges):
+            section = checkpoint.load(k) if checkpoint is not None else None
+            if section is None:
+                section = read_section(engine, head, head_logits, ids[start:end], pages[start:end], bar.update)
+                if checkpoint is not None:
+                    checkpoint.save(k, section)
+            else:
+                bar.update(end - start)
+            sections.append(section)
+            bar.set_postfix_str(f"page {document.pages[int(pages[end - 1])].label} of {document.total_pages}")
+    spans = [(offsets[start], offsets[end] if end < len(offsets) else len(document.text)) for start, end in ranges]
+    return SectionedCache(document, head, tuple(sections), tuple(spans))

@@ -1,0 +1,137 @@
+"""Store entries of long documents: each section in a file of its own, written as it is read.
+
+A :class:`~semanticache_rag.sections.SectionedCache` entry is the usual manifest ``<id>.json``
+and tensor file ``<id>.safetensors`` (the prompt head), plus a folder ``<id>.sections/`` with
+``<k>.safetensors`` and its record ``<k>.json`` per section. Sections are written as soon as
+they are read (temporary file + rename), so no file holds more than one section and an
+interrupted read resumes from the sections it finished: they are found by the entry's id, which
+names the document, model, compressor and section length. The manifest is written last; until
+then the entry does not exist for readers, and a folder left without a manifest by a crash is
+removed after a while (:func:`~semanticache_rag.store_format.remove_leftovers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save as save_tensors
+
+from semanticache_rag.documents import Document
+from semanticache_rag.sections import SectionedCache
+from semanticache_rag.store_format import (
+    LOAD_ERRORS,
+    EntryRejected,
+    atomic_write,
+    cache_record,
+    cache_tensors,
+    load_cache,
+)
+
+logger = logging.getLogger("semanticache_rag.store")
+
+SECTIONS_SUFFIX = ".sections"
+
+
+def sections_folder(directory: Path, entry_id: str) -> Path:
+    return directory / f"{entry_id}{SECTIONS_SUFFIX}"
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files in ``folder`` (0 when it does not exist)."""
+    try:
+        return sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+    except OSError:
+        return 0
+
+
+def remove_folder(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class SectionFiles:
+    """The section files of one entry: the read's checkpoint, then part of the entry.
+
+    ``load(k)`` returns section ``k`` when an earlier read finished it (else ``None``),
+    ``save(k, section)`` writes it. Writing failures are logged once and make :attr:`complete`
+    False, so no manifest will name files that are not there.
+    """
+
+    def __init__(self, folder: Path, document: Document, engine):
+        self.folder, self.document, self.engine = folder, document, engine
+        self.records: dict[int, dict] = {}
+        self.complete = True
+
+    def _paths(self, k: int) -> tuple[Path, Path]:
+        return self.folder / f"{k}.json", self.folder / f"{k}.safetensors"
+
+    def load(self, k: int):
+        record_path, tensors_path = self._paths(k)
+        try:
+            record = json.loads(record_path.read_bytes())
+            data = tensors_path.read_bytes()
+        except (OSError, ValueError):  # not written yet (or unreadable): read the section
+            return None
+        try:
+            section = load_cache(record, data, self.document, self.engine)
+        except (EntryRejected, *LOAD_ERRORS) as exc:
+            logger.warning(
+                "Reading section %d of %s again: its stored copy is unusable (%s)", k, self.document.name, exc
+            )
+            if isinstance(exc, EntryRejected):  # proven damaged (checksum, shapes): never useful again
+                for path in (record_path, tensors_path):
+                    path.unlink(missing_ok=True)
+            return None
+        self.records[k] = record
+        return section
+
+    def save(self, k: int, section) -> None:
+        if not self.complete:
+            return
+        data = save_tensors(cache_tensors(section))
+        record = cache_record(section, hashlib.sha256(data).hexdigest(), len(data))
+        record_path, tensors_path = self._paths(k)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(tensors_path, data)
+            atomic_write(record_path, json.dumps(record).encode())
+        except OSError as exc:
+            self.complete = False
+            logger.warning(
+                "Cannot write the sections of %s to %s (%s); not kept on disk", self.document.name, self.folder, exc
+            )
+            return
+        self.records[k] = record
+
+
+def sectioned_records(cache: SectionedCache, files: SectionFiles, head_sha256: str, head_bytes: int) -> dict | None:
+    """The manifest part of a sectioned entry (writing sections ``files`` lacks), or ``None`` if incomplete."""
+    for k, section in enumerate(cache.sections):
+        if k not in files.records:
+            files.save(k, section)
+    if not files.complete:
+        return None
+    sections = [dict(files.records[k], span=list(span)) for k, span in enumerate(cache.spans)]
+    return {"head": cache_record(cache.head, head_sha256, head_bytes), "sections": sections}
+
+
+def load_sectioned(manifest: dict, head_data: bytes, folder: Path, document: Document, engine) -> SectionedCache:
+    """Rebuild a :class:`SectionedCache` from its checked manifest; :class:`EntryRejected` unless intact."""
+    head = load_cache(manifest["head"], head_data, document, engine)
+    sections, spans = [], []
+    for k, record in enumerate(manifest["sections"]):
+        try:
+            data = (folder / f"{k}.safetensors").read_bytes()
+        except FileNotFoundError as exc:
+            raise EntryRejected(f"section {k} is missing") from exc
+        sections.append(load_cache(record, data, document, engine))
+        start, end = record["span"]
+        if not 0 <= int(start) <= int(end) <= len(document.text):
+            raise EntryRejected(f"section {k} lies outside the document")
+        spans.append((int(start), int(end)))
+    if not sections:
+        raise EntryRejected("a sectioned entry without sections")
+    return SectionedCache(document, head, tuple(sections), tuple(spans))
