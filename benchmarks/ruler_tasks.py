@@ -37,6 +37,7 @@ class Question:
     text: str
     refs: list[str]
     metric: str  # "all" (NIAH: every reference) or "part" (QA: any reference)
+    evidence: list[str] = field(default_factory=list)  # passages of the document that hold the answer
 
 
 @dataclass
@@ -90,9 +91,8 @@ def niah(task: str, length: int, index: int, count_tokens, rng: random.Random) -
     context = Context(f"{task}-{length}-{index}", task, length, NIAH_PREAMBLE + " ".join(haystack))
     for i, (key, value) in enumerate(zip(keys, values)):
         if task != "niah_multikey_1" or i < 2:  # RULER asks one key; two keys per haystack here
-            context.questions.append(
-                Question(f"{context.context_id}-q{i}", NIAH_QUESTION.format(key=key), [value], "all")
-            )
+            text = NIAH_QUESTION.format(key=key)
+            context.questions.append(Question(f"{context.context_id}-q{i}", text, [value], "all", [needles[i]]))
     return context
 
 
@@ -104,14 +104,19 @@ def _squad():
             docs.append(paragraph["context"])
             for qa in paragraph["qas"]:
                 if not qa["is_impossible"]:
-                    qas.append((qa["question"], [a["text"] for a in qa["answers"]], [paragraph["context"]]))
+                    gold = [paragraph["context"]]
+                    qas.append((qa["question"], [a["text"] for a in qa["answers"]], gold, gold))
     return sorted(set(docs)), qas
 
 
 def _hotpotqa():
     data = ruler_json("hotpotqa")
     docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
-    qas = [(d["question"], [d["answer"]], [f"{t}\n{''.join(p)}" for t, p in d["context"]]) for d in data]
+    qas = []
+    for d in data:  # every paragraph of the question's context goes in (as RULER does); 2 of them hold the answer
+        paragraphs = {t: f"{t}\n{''.join(p)}" for t, p in d["context"]}
+        supporting = dict.fromkeys(t for t, _ in d["supporting_facts"] if t in paragraphs)
+        qas.append((d["question"], [d["answer"]], list(paragraphs.values()), [paragraphs[t] for t in supporting]))
     return docs, qas
 
 
@@ -120,16 +125,18 @@ def qa(task: str, length: int, index: int, count_tokens, rng: random.Random) -> 
     docs, qas = _squad() if task == "qa_1" else _hotpotqa()
     questions = 2 if length >= 2000 else 1
     chosen = rng.sample(qas, questions)
-    gold = list(dict.fromkeys(d for _, _, ds in chosen for d in ds))
-    distractors = [d for d in rng.sample(docs, min(len(docs), 400)) if d not in gold]
+    gold = list(dict.fromkeys(d for _, _, ds, _ in chosen for d in ds))
+    pool_size = 400 if length <= 20_000 else length // 40  # enough paragraphs for 16K-128K contexts too
+    distractors = [d for d in rng.sample(docs, min(len(docs), pool_size)) if d not in gold]
     budget = length - count_tokens(QA_PREAMBLE) - 8
     pool = gold + distractors  # gold first: always kept
     kept = pool[: max(len(gold), _fit(count_tokens, pool, budget, "\n\n"))]
     rng.shuffle(kept)
     text = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(kept))
     context = Context(f"{task}-{length}-{index}", task, length, QA_PREAMBLE + text)
-    for i, (query, refs, _) in enumerate(chosen):
-        context.questions.append(Question(f"{context.context_id}-q{i}", QA_QUESTION.format(query=query), refs, "part"))
+    for i, (query, refs, _, evidence) in enumerate(chosen):
+        text = QA_QUESTION.format(query=query)
+        context.questions.append(Question(f"{context.context_id}-q{i}", text, refs, "part", list(evidence)))
     return context
 
 

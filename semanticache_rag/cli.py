@@ -27,7 +27,9 @@ def _engine(args):
 
     compressor = make_compressor(args.compression, args.ratio)
     started = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, compressor=compressor, store=None if args.no_store else _store(args))
+    store = None if args.no_store else _store(args)
+    layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections}
+    engine = Engine.from_pretrained(args.model, compressor=compressor, store=store, **layout)
     if not args.json:
         print(f"Loaded {engine.model_name} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return engine
@@ -47,8 +49,10 @@ def _read(engine, path, args):
         loaded = engine.store is not None and engine.store.stats.disk_hits > stored
         how = "Loaded the stored cache of" if loaded else "Read"
         seconds = time.perf_counter() - started if loaded else cache.prefill_s + cache.compress_s
+        sections = getattr(cache, "sections", None)
+        parts = f" in {len(sections)} sections" if sections else ""
         print(
-            f"{how} {cache.document.name}: {cache.document.total_pages} pages, {cache.length:,} tokens in "
+            f"{how} {cache.document.name}: {cache.document.total_pages} pages, {cache.length:,} tokens{parts} in "
             f"{seconds:.1f}s; cache {cache.nbytes / 2**20:.1f} MiB "
             f"({cache.compression_ratio:.0%} of entries removed)",
             file=sys.stderr,
@@ -77,6 +81,26 @@ def _print_answer(answer, args) -> None:
         f"   [{answer.prefill_s + answer.decode_s:.2f}s; {answer.cached_tokens:,} of {answer.prompt_tokens:,} "
         f"prompt tokens reused from the document cache; {answer.tokens_per_s:.1f} tokens/s]"
     )
+    if answer.sections_total > 1:
+        print(f"   [{_sources(answer)}]")
+
+
+def _sources(answer) -> str:
+    """Where a long document's answer came from: its pages, and whether the question matched them."""
+    pages = _page_ranges(answer.pages)
+    how = "" if answer.routing_matched else "; no section matched the question, so these are the nearest"
+    return f"from {len(answer.sections)} of {answer.sections_total} sections, pages {pages}{how}"
+
+
+def _page_ranges(labels) -> str:
+    """``1, 2, 3, 7, ix`` -> ``1-3, 7, ix`` (numeric runs joined)."""
+    out: list[list[str]] = []
+    for label in labels:
+        if out and label.isdigit() and out[-1][-1].isdigit() and int(label) == int(out[-1][-1]) + 1:
+            out[-1].append(label)
+        else:
+            out.append([label])
+    return ", ".join(run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in out)
 
 
 def cmd_ask(args) -> None:
@@ -117,8 +141,9 @@ def cmd_chat(args) -> None:
         for piece in conversation.stream(question):
             print(piece, end="", flush=True)
         a = conversation.last_answer
+        sources = f"; {_sources(a)}" if a.sections_total > 1 else ""
         print(
-            f"\n   [{a.prefill_s + a.decode_s:.2f}s; {a.cached_tokens:,}/{a.prompt_tokens:,} tokens reused]",
+            f"\n   [{a.prefill_s + a.decode_s:.2f}s; {a.cached_tokens:,}/{a.prompt_tokens:,} tokens reused{sources}]",
             file=sys.stderr,
         )
 
@@ -257,6 +282,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--section-tokens",
+        type=int,
+        default=1024,
+        help="documents longer than the context are read in sections of at most this many tokens (default: 1024)",
+    )
+    p.add_argument(
+        "--max-sections",
+        type=int,
+        default=None,
+        help="most sections of a long document per question (default: as many as fit the context)",
+    )
     p.add_argument("--no-store", action="store_true", help="read the document afresh; keep no cache on disk")
     _add_store_option(p)
     p.add_argument("-v", "--verbose", action="store_true")

@@ -35,31 +35,27 @@ def read_head(engine, document: Document) -> tuple[DocumentCache, torch.Tensor]:
     return cache, logits
 
 
-def read_section(engine, head: DocumentCache, head_logits, ids: list[int], pages: torch.Tensor, on_chunk=None):
-    """One section prefilled after ``head`` and compressed: a :class:`DocumentCache` at positions ``h..h+n``."""
-    compressor = engine.compressor
+def prefill_section(engine, head: DocumentCache, head_logits, ids: list[int], surprisal: bool, on_chunk=None):
+    """A section's full KV prefilled after ``head`` (positions ``h..h+n``): (keys_values, surprisal, seconds)."""
     started = time.perf_counter()
     kv = ConversationKV(head.layers, capacity=len(ids))
-    surprisal = engine.run_tokens(kv, ids, head.length, compressor.needs_surprisal, on_chunk)
-    if surprisal is not None:  # the head's last position predicts the section's first token
-        surprisal[0] = -torch.log_softmax(head_logits.float(), -1)[ids[0]]
+    token_surprisal = engine.run_tokens(kv, ids, head.length, surprisal, on_chunk)
+    if token_surprisal is not None:  # the head's last position predicts the section's first token
+        token_surprisal[0] = -torch.log_softmax(head_logits.float(), -1)[ids[0]]
     keys_values = [layer.appended() for layer in kv.layers]
-    read_s = time.perf_counter() - started
-    context = CompressionContext(
-        torch.tensor(ids), torch.zeros(len(ids), dtype=torch.bool), surprisal, engine.tokenizer
-    )
+    return keys_values, token_surprisal, time.perf_counter() - started
+
+
+def compress_section(engine, compressor, head: DocumentCache, prefill, ids: list[int], pages: torch.Tensor):
+    """A section's :class:`DocumentCache`: its prefill (from :func:`prefill_section`) compressed."""
+    keys_values, surprisal, read_s = prefill
+    started = time.perf_counter()
+    tokens = torch.tensor(ids)
+    context = CompressionContext(tokens, torch.zeros(len(ids), dtype=torch.bool), surprisal, engine.tokenizer)
     layers, zoom = compressor.compress_cache(keys_values, context)
-    return DocumentCache(
-        head.document,
-        layers,
-        torch.tensor(ids),
-        pages,
-        engine.model_name,
-        repr(compressor),
-        read_s,
-        time.perf_counter() - started - read_s,
-        zoom,
-    )
+    compress_s = time.perf_counter() - started
+    name, method = engine.model_name, repr(compressor)
+    return DocumentCache(head.document, layers, tokens, pages, name, method, read_s, compress_s, zoom)
 
 
 def read_sections(engine, document: Document, tokens, *, progress: bool = True, checkpoint=None) -> SectionedCache:
@@ -77,8 +73,13 @@ def read_sections(engine, document: Document, tokens, *, progress: bool = True, 
     with bar:
         for k, (start, end) in enumerate(ranges):
             section = checkpoint.load(k) if checkpoint is not None else None
+            if section is not None and section.prefix_ids.tolist() != ids[start:end]:
+                section = None  # another plan (cannot happen for the same key): read it again
             if section is None:
-                section = read_section(engine, head, head_logits, ids[start:end], pages[start:end], bar.update)
+                need = engine.compressor.needs_surprisal
+                prefill = prefill_section(engine, head, head_logits, ids[start:end], need, bar.update)
+                section = compress_section(engine, engine.compressor, head, prefill, ids[start:end], pages[start:end])
+                del prefill  # one section's full KV at a time
                 if checkpoint is not None:
                     checkpoint.save(k, section)
             else:

@@ -42,16 +42,17 @@ POSITIONS = ("compact", "contiguous")
 
 def _break_strength(text: str, offsets: list[int], page_starts: list[int]) -> list[int]:
     """Per token ``t``, how good a section boundary before it is: 3 a new page, 2 a new paragraph,
-    1 a new line or sentence, 0 inside one."""
+    1 a new line or sentence, 0 inside one (decided on the text before the token, whatever the
+    tokenizer made of the line breaks)."""
     strength = [3] * len(offsets)
     for t in range(1, len(offsets)):
         before, at = offsets[t - 1], offsets[t]
         if bisect.bisect_right(page_starts, at) > bisect.bisect_right(page_starts, before):
             continue  # a page starts between the two tokens
-        piece = text[before:at]
-        if "\n\n" in piece:
+        tail = text[max(0, at - 8) : at].rstrip(" \t")
+        if tail.endswith("\n\n"):
             strength[t] = 2
-        elif "\n" in piece or piece.rstrip().endswith((".", "?", "!", ":", ";")):
+        elif tail.endswith(("\n", ".", "?", "!", ":", ";")):
             strength[t] = 1
         else:
             strength[t] = 0
@@ -273,12 +274,13 @@ class SectionedCache:
         """Route ``question`` to the best sections that fit ``room`` positions (head included).
 
         A question that matches no section (no shared word) keeps the previous turn's sections in a
-        conversation, else takes the first sections; either way ``matched`` is False.
+        conversation (as many as still fit), else takes the first sections; either way ``matched``
+        is False.
         """
         scores = self.router.scores(question)
         matched = bool(scores.max() > 0)
         if not matched and previous is not None and previous.total_sections == len(self.sections):
-            order = list(previous.sections) + [k for k in range(len(self.sections)) if k not in previous.sections]
+            order = list(previous.sections)  # a follow-up ("and then?") stays where the conversation is
         else:
             order = ranking(scores)
         chosen = self.fit(order, room, engine.positions == "compact", engine.max_sections)

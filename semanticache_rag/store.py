@@ -56,6 +56,7 @@ from semanticache_rag.store_key import CacheKey
 from semanticache_rag.store_sections import (
     SECTIONS_SUFFIX,
     SectionFiles,
+    SectionRejected,
     folder_bytes,
     load_sectioned,
     remove_folder,
@@ -282,6 +283,13 @@ class DocumentStore:
             if manifest_path.exists():
                 self._reject(entry_id, "its tensor file is missing")
             return None, True  # else evicted by another process meanwhile: a plain miss
+        except SectionRejected as exc:  # the other sections stay: the read that follows resumes from them
+            self._reject(entry_id, str(exc), delete=False)
+            self._ignored.discard(entry_id)
+            with contextlib.suppress(OSError):
+                manifest_path.unlink(missing_ok=True)
+                SectionFiles(sections_folder(self.directory, entry_id), document, engine).remove(exc.section)
+            return None, True
         except (EntryRejected, json.JSONDecodeError) as exc:  # proven unusable: a bad checksum, format, key or shape
             self._reject(entry_id, str(exc) or type(exc).__name__)
             return None, True

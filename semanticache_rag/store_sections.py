@@ -68,6 +68,11 @@ class SectionFiles:
     def _paths(self, k: int) -> tuple[Path, Path]:
         return self.folder / f"{k}.json", self.folder / f"{k}.safetensors"
 
+    def remove(self, k: int) -> None:
+        """Delete section ``k`` (proven damaged)."""
+        for path in self._paths(k):
+            path.unlink(missing_ok=True)
+
     def load(self, k: int):
         record_path, tensors_path = self._paths(k)
         try:
@@ -82,8 +87,7 @@ class SectionFiles:
                 "Reading section %d of %s again: its stored copy is unusable (%s)", k, self.document.name, exc
             )
             if isinstance(exc, EntryRejected):  # proven damaged (checksum, shapes): never useful again
-                for path in (record_path, tensors_path):
-                    path.unlink(missing_ok=True)
+                self.remove(k)
             return None
         self.records[k] = record
         return section
@@ -118,16 +122,33 @@ def sectioned_records(cache: SectionedCache, files: SectionFiles, head_sha256: s
     return {"head": cache_record(cache.head, head_sha256, head_bytes), "sections": sections}
 
 
+class SectionRejected(EntryRejected):
+    """One section of an entry is damaged or missing; the other sections may still serve a new read."""
+
+    def __init__(self, section: int, reason: str):
+        super().__init__(f"section {section}: {reason}")
+        self.section = section
+
+
 def load_sectioned(manifest: dict, head_data: bytes, folder: Path, document: Document, engine) -> SectionedCache:
-    """Rebuild a :class:`SectionedCache` from its checked manifest; :class:`EntryRejected` unless intact."""
+    """Rebuild a :class:`SectionedCache` from its checked manifest.
+
+    Raises
+    ------
+    SectionRejected
+        A section file is missing or damaged.
+    EntryRejected
+        The head or the manifest is.
+    """
     head = load_cache(manifest["head"], head_data, document, engine)
     sections, spans = [], []
     for k, record in enumerate(manifest["sections"]):
         try:
-            data = (folder / f"{k}.safetensors").read_bytes()
+            sections.append(load_cache(record, (folder / f"{k}.safetensors").read_bytes(), document, engine))
         except FileNotFoundError as exc:
-            raise EntryRejected(f"section {k} is missing") from exc
-        sections.append(load_cache(record, data, document, engine))
+            raise SectionRejected(k, "missing") from exc
+        except EntryRejected as exc:
+            raise SectionRejected(k, str(exc)) from exc
         start, end = record["span"]
         if not 0 <= int(start) <= int(end) <= len(document.text):
             raise EntryRejected(f"section {k} lies outside the document")
