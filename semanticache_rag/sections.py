@@ -316,6 +316,7 @@ class SectionedCache:
         return replace(
             self.head,
             layers=layers,
+            zoom=self._spliced_zoom(chosen, deltas, inv_freqs),
             prefix_ids=torch.cat([p.prefix_ids for p in parts]),
             token_pages=torch.cat([p.token_pages for p in parts]),
             compressor=self.compressor,
@@ -324,3 +325,15 @@ class SectionedCache:
             next_position=end,
             selection=selection,
         )
+
+    def _spliced_zoom(self, chosen: list[int], deltas: list[int], inv_freqs: list[torch.Tensor]):
+        """The chosen sections' zoom state (SeKV) joined for the spliced cache, or ``None``."""
+        zooms = [self.sections[k].zoom for k in chosen]
+        first = next((zoom for zoom in zooms if zoom is not None), None)
+        if first is None:
+            return None
+        offsets, at = [], self.head.layers[0].keys.shape[2]
+        for k in chosen:
+            offsets.append(at)
+            at += self.sections[k].layers[0].keys.shape[2]
+        return type(first).join(list(zip(offsets, zooms, deltas)), inv_freqs)

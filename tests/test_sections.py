@@ -196,6 +196,7 @@ def test_compression_buys_breadth_with_compact_positions(tiny_llama, tiny_tokeni
 
 
 def test_chat_draws_on_other_sections_and_keeps_its_turns(long_engine, long_text):
+    long_engine.max_sections = 3  # room to spare: a later turn still fits the same sections
     cache = long_engine.read(long_text, progress=False)
     chat = long_engine.conversation(cache, max_new_tokens=6)
     first = chat.ask(QUESTION)
@@ -261,3 +262,21 @@ def test_answers_name_the_pages_of_their_sections(long_engine):
     assert set(answer.pages) <= {p.label for p in document.pages} and "p5" in answer.pages
     assert list(answer.pages) == sorted(answer.pages, key=lambda label: int(label[1:]))
     assert len(answer.pages) < len(document.pages)
+
+
+def test_sekv_zooms_into_spliced_sections_and_exact_spans_give_the_plain_answer(tiny_llama, tiny_tokenizer, long_text):
+    """Spans rebuilt from each section's host copy, moved with it: with exact copies (rank = head dim) and a
+    zoom budget that covers every span, the answer is the uncompressed splice's, token for token."""
+    from semanticache_rag import SeKVCompressor
+
+    text = long_text[:9000]
+    answers = {}
+    for name, compressor in (("plain", None), ("sekv", SeKVCompressor(0.5, zoom_tokens=100_000, rank=16))):
+        engine = Engine(
+            tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, compressor=compressor
+        )
+        engine.positions = "contiguous"  # the same sections fit either way
+        answers[name] = engine.ask(engine.read(text, progress=False), QUESTION, max_new_tokens=8)
+    plain, sekv = answers["plain"], answers["sekv"]
+    assert sekv.sections == plain.sections and sekv.spans_expanded > 0 and sekv.host_bytes > 0
+    assert sekv.completion_ids == plain.completion_ids

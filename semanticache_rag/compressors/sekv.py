@@ -38,6 +38,7 @@ import torch
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kv import ConversationKV, LayerKV
+from semanticache_rag.rotation import rotate_keys
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,48 +113,23 @@ class SpanIndex:
         return torch.cat(keys, 2).to(device, dtype), torch.cat(values, 2).to(device, dtype)
 
     def scores(self, engine, cache, tail: list[int]) -> torch.Tensor:
-        """Attention each summary entry gets from the question's tokens (E,): max over heads and
-        tokens, summed over layers."""
-        total = torch.zeros(self.start.numel())
-
-        def observe(layer_idx, query, document, scaling):
-            batch, heads, num_queries, dim = query.shape
-            kv_heads = document.keys.shape[1]
-            q = query.reshape(batch, kv_heads, -1, dim)
-            logits = (q @ document.keys.transpose(-1, -2)).float() * scaling + document.log_sizes[:, :, None, :]
-            total.add_(torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu())
-
-        kv = ConversationKV(cache.layers)
-        kv.observe = observe
-        engine.forward(kv, tail, cache.positions)
-        return total
+        """Attention each summary entry gets from the question's tokens (E,) (see :func:`entry_scores`)."""
+        return entry_scores(engine, cache, tail)
 
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Multi-token spans by score, highest first, each taken if its tokens still fit ``budget``."""
-        candidates = (self.length > 1).nonzero()[:, 0]
-        order = candidates[scores[candidates].argsort(descending=True)].tolist()
-        lengths, chosen, used = self.length.tolist(), [], 0
-        for entry in order:
-            if used + lengths[entry] <= budget:
-                chosen.append(entry)
-                used += lengths[entry]
-        return torch.tensor(chosen, dtype=torch.long)
+        return select_spans(scores, self.length, budget)
 
     def working_kv(self, engine, cache, tail: list[int]) -> tuple[ConversationKV, ZoomInfo]:
         """A working cache for ``tail`` with the spans it needs rebuilt at token level."""
         selected = self.select(self.scores(engine, cache, tail), self.zoom_tokens)
         rebuilt = self.reconstruct(selected, engine.device, cache.layers[0].keys.dtype)
-        count = 0 if rebuilt is None else rebuilt[0].shape[2]
-        masked = torch.ones(self.start.numel(), dtype=torch.bool)
-        masked[selected] = False
-        layers = [LayerKV(layer.keys, layer.values, layer.sizes * masked.to(layer.sizes)) for layer in cache.layers]
-        kv = ConversationKV(layers, capacity=count + len(tail) + 256)
-        if rebuilt is not None:
-            for index, layer in enumerate(kv.layers):
-                layer.update(rebuilt[0][index][None], rebuilt[1][index][None])
-            kv.prefix_length = count
-        extra = sum(layer.sizes.nbytes for layer in layers) + (0 if rebuilt is None else rebuilt[0].nbytes * 2)
-        return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra, self.nbytes)
+        return zoomed_kv(cache, selected, rebuilt, self.nbytes, len(tail))
+
+    @classmethod
+    def join(cls, parts, inv_freqs) -> SplicedSpans:
+        """The zoom state of sections spliced into one cache (``parts``: (entry offset, index, key delta))."""
+        return SplicedSpans([(offset, index, delta) for offset, index, delta in parts if index is not None], inv_freqs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (for safetensors); :meth:`from_state_dict` restores the index."""
@@ -176,6 +152,88 @@ class SpanIndex:
             for b in range(len(widths))
         ]
         return cls(state["start"], state["length"], widths, entries, factors, zoom_tokens, rank)
+
+
+def entry_scores(engine, cache, tail: list[int]) -> torch.Tensor:
+    """Attention each document entry of ``cache`` gets from ``tail`` (E,): max over heads and tokens,
+    summed over layers (the question runs once over the summary)."""
+    total = torch.zeros(cache.layers[0].keys.shape[2])
+
+    def observe(layer_idx, query, document, scaling):
+        batch, heads, num_queries, dim = query.shape
+        kv_heads = document.keys.shape[1]
+        q = query.reshape(batch, kv_heads, -1, dim)
+        logits = (q @ document.keys.transpose(-1, -2)).float() * scaling
+        if document.log_sizes is not None:
+            logits = logits + document.log_sizes[:, :, None, :]
+        total.add_(torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu())
+
+    kv = ConversationKV(cache.layers)
+    kv.observe = observe
+    engine.forward(kv, tail, cache.positions)
+    return total
+
+
+def select_spans(scores: torch.Tensor, length: torch.Tensor, budget: int) -> torch.Tensor:
+    """Entries of multi-token spans (``length`` > 1) by score, highest first, while their tokens fit ``budget``."""
+    candidates = (length > 1).nonzero()[:, 0]
+    order = candidates[scores[candidates].argsort(descending=True)].tolist()
+    lengths, chosen, used = length.tolist(), [], 0
+    for entry in order:
+        if used + lengths[entry] <= budget:
+            chosen.append(entry)
+            used += lengths[entry]
+    return torch.tensor(chosen, dtype=torch.long)
+
+
+def zoomed_kv(cache, selected: torch.Tensor, rebuilt, host_bytes: int, tail_len: int):
+    """The working cache with ``selected`` summary entries masked and their ``rebuilt`` tokens in front of the tail."""
+    count = 0 if rebuilt is None else rebuilt[0].shape[2]
+    masked = torch.ones(cache.layers[0].keys.shape[2], dtype=torch.bool)
+    masked[selected] = False
+    layers = [LayerKV(layer.keys, layer.values, layer.sizes * masked.to(layer.sizes)) for layer in cache.layers]
+    kv = ConversationKV(layers, capacity=count + tail_len + 256)
+    if rebuilt is not None:
+        for index, layer in enumerate(kv.layers):
+            layer.update(rebuilt[0][index][None], rebuilt[1][index][None])
+        kv.prefix_length = count
+    extra = sum(layer.sizes.nbytes for layer in layers) + (0 if rebuilt is None else rebuilt[0].nbytes * 2)
+    return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra, host_bytes)
+
+
+@dataclass(eq=False)
+class SplicedSpans:
+    """The zoom state of a long document's sections spliced into one working cache.
+
+    ``parts`` are (first entry in the spliced cache, the section's :class:`SpanIndex`, how far its
+    keys moved); rebuilt keys are moved the same way (:func:`~semanticache_rag.rotation.rotate_keys`).
+    """
+
+    parts: list[tuple[int, SpanIndex, int]]
+    inv_freqs: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(index.nbytes for _, index, _ in self.parts)
+
+    def working_kv(self, engine, cache, tail: list[int]) -> tuple[ConversationKV, ZoomInfo]:
+        length = torch.ones(cache.layers[0].keys.shape[2], dtype=torch.long)
+        for offset, index, _ in self.parts:
+            length[offset : offset + index.length.numel()] = index.length
+        budget = sum(index.zoom_tokens for _, index, _ in self.parts)
+        selected = select_spans(entry_scores(engine, cache, tail), length, budget)
+        keys, values = [], []
+        dtype = cache.layers[0].keys.dtype
+        for offset, index, delta in self.parts:
+            local = selected[(selected >= offset) & (selected < offset + index.length.numel())] - offset
+            rebuilt = index.reconstruct(local, engine.device, dtype) if local.numel() else None
+            if rebuilt is not None:
+                keys.append(
+                    torch.stack([rotate_keys(k[None], delta, f)[0] for k, f in zip(rebuilt[0], self.inv_freqs)])
+                )
+                values.append(rebuilt[1])
+        rebuilt = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+        return zoomed_kv(cache, selected, rebuilt, self.nbytes, len(tail))
 
 
 def _factor(rows: torch.Tensor, rank: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
