@@ -22,7 +22,16 @@ from semanticache_rag.errors import ConfigError
 
 T = TypeVar("T")
 
-GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+GENERATION_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "loop_guard",
+)
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,16 @@ class EngineSettings(BaseModel):
     temperature: float = Field(default=0.0, ge=0, description="0 decodes greedily; > 0 samples.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass, when sampling.")
     seed: int | None = Field(default=None, description="Seed for sampling, for reproducible samples.")
+    repetition_penalty: float = Field(
+        default=1.0,
+        gt=0,
+        description="> 1 makes the answer's own tokens less likely (transformers' processor); 1: off.",
+    )
+    no_repeat_ngram_size: int = Field(default=0, ge=0, description="No n-gram of this size twice in an answer; 0: off.")
+    loop_guard: bool = Field(
+        default=True,
+        description="End an answer that repeats a sentence or a run of tokens (finish_reason 'repetition').",
+    )
 
     _runtime: Runtime | None = PrivateAttr(default=None)
 
@@ -145,8 +164,7 @@ class EngineSettings(BaseModel):
 
     def default_options(self) -> dict:
         """The generation options these fields set (``stop`` too, where the adapter has one)."""
-        names = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
-        return {name: getattr(self, name) for name in names if hasattr(self, name)}
+        return {name: getattr(self, name) for name in GENERATION_OPTIONS if hasattr(self, name)}
 
 
 def generation_options(defaults: dict, overrides: dict, stop: list[str] | None = None) -> dict:

@@ -69,6 +69,9 @@ def _gen_options(args) -> dict:
         "top_p": args.top_p,
         "stop": tuple(args.stop or ()),
         "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+        "no_repeat_ngram_size": args.no_repeat_ngram_size,
+        "loop_guard": not args.no_loop_guard,
     }
 
 
@@ -117,7 +120,6 @@ def cmd_demo(args) -> None:
         engine = _engine(args)
         cache = _read(engine, pdf, args)
         options = _gen_options(args)
-        options["stop"] = options["stop"] or ("\n\n",)  # one-paragraph answers; a 135M model may loop
         for question in DEMO_QUESTIONS:
             _print_answer(engine.ask(cache, question, **options), args)
 
@@ -282,6 +284,23 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 makes the answer's own tokens less likely (default: 1, off)",
+    )
+    p.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=0,
+        help="no n-gram of this size twice in an answer (default: 0, off)",
+    )
+    p.add_argument(
+        "--no-loop-guard",
+        action="store_true",
+        help="let answers that repeat a sentence or a run of tokens go on (by default they end there)",
+    )
     p.add_argument(
         "--section-tokens",
         type=int,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from semanticache_rag.compressors.kara import KaraCompressor
 from semanticache_rag.errors import ContextLengthError
-from semanticache_rag.generation import GenerationOptions, Sampler, TextStream
+from semanticache_rag.generation import GenerationOptions, LoopGuard, Sampler, TextStream
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.prompts import Turn
 
@@ -30,7 +30,9 @@ class Answer:
     ``tokens_reconstructed`` tokens), and ``host_bytes`` is the host copy of all spans.
     ``conversation_bytes`` is what the turns appended after the document take in the working
     cache when the answer ends (bounded by Kara's decode-time compression).
-    ``prefill_s`` is the time to the first answer token,
+    ``finish_reason`` is ``"stop"`` (end of turn or a stop string), ``"length"`` (``max_new_tokens``
+    or the context ran out) or ``"repetition"`` (the loop guard ended an answer that began to
+    repeat itself; the repeat is not in ``answer``). ``prefill_s`` is the time to the first answer token,
     ``decode_s`` the time for the rest, ``tokens_per_s`` the decode rate after the first token.
     ``pages`` are the labels of the pages the answer was conditioned on: every page of a document
     read whole; for a long document, those of the ``sections`` (indices, of ``sections_total``)
@@ -143,7 +145,8 @@ class Conversation:
         if self.cache.zoom is not None:  # rebuild the spans this question needs; the whole tail is recomputed
             self.kv, zoom = working_cache(engine, self.cache, tail)
             reused = 0
-        stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings)
+        guard = LoopGuard() if opts.loop_guard else None
+        stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings, guard)
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
         logits = engine.forward(self.kv, tail[reused:], self.cache.positions + reused)[-1]
         self._tail_ids = list(tail)
@@ -151,7 +154,7 @@ class Conversation:
         first = time.perf_counter()
         finish, generated = "length", 0
         for _ in range(min(opts.max_new_tokens, budget)):
-            token = sampler(logits)
+            token = sampler(logits, stream.ids)
             generated += 1
             if token in eos:
                 finish = "stop"
@@ -160,7 +163,7 @@ class Conversation:
             if piece:
                 yield piece
             if stream.stopped:
-                finish = "stop"
+                finish = stream.reason
                 break
             logits = engine.forward(self.kv, [token], self.cache.positions + len(self._tail_ids))[-1]
             self._tail_ids.append(token)
@@ -168,6 +171,8 @@ class Conversation:
         rest = stream.flush()
         if rest:
             yield rest
+        if stream.reason == "repetition":
+            finish = "repetition"
         self._finish(question, stream, len(tail), reused, generated, finish, (start, first), zoom)
 
     def _use_document(self, question: str, tail_len: int, opts: GenerationOptions) -> None:

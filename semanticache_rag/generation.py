@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from tokenizers.decoders import DecodeStream
+from transformers.generation.logits_process import (
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from semanticache_rag.errors import ConfigError
 
@@ -26,6 +33,17 @@ class GenerationOptions:
         Strings that end the answer (not included in it).
     seed : int or None
         Seed for sampling, for reproducible samples.
+    repetition_penalty : float
+        > 0; above 1 makes tokens already in the answer less likely (transformers'
+        ``RepetitionPenaltyLogitsProcessor``, applied to the answer's own tokens, so that quoting
+        the document is not penalised). 1 (the default) leaves the logits as they are.
+    no_repeat_ngram_size : int
+        >= 0; when > 0, no n-gram of this size appears twice in an answer (transformers'
+        ``NoRepeatNGramLogitsProcessor`` over the answer's tokens). 0 (the default): off.
+    loop_guard : bool
+        End the answer, with ``finish_reason="repetition"``, once it repeats a sentence or line it
+        already gave, or a run of tokens over and over (:class:`LoopGuard`). On by default; it never
+        changes the tokens chosen, only where the answer ends.
     """
 
     max_new_tokens: int = 256
@@ -33,6 +51,9 @@ class GenerationOptions:
     top_p: float = 1.0
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    loop_guard: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -41,6 +62,12 @@ class GenerationOptions:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
+            raise ConfigError(
+                f"no_repeat_ngram_size must be an integer >= 0 (0 = off), got {self.no_repeat_ngram_size!r}"
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
@@ -51,6 +78,11 @@ class Sampler:
 
     def __init__(self, options: GenerationOptions, device: torch.device | str = "cpu"):
         self.greedy = options.temperature == 0
+        self.processors: list = []
+        if options.repetition_penalty != 1:
+            self.processors.append(RepetitionPenaltyLogitsProcessor(options.repetition_penalty))
+        if options.no_repeat_ngram_size > 0:
+            self.processors.append(NoRepeatNGramLogitsProcessor(options.no_repeat_ngram_size))
         self.warpers = [TemperatureLogitsWarper(options.temperature)] if not self.greedy else []
         if not self.greedy and options.top_p < 1:
             self.warpers.append(TopPLogitsWarper(options.top_p))
@@ -60,8 +92,14 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """``logits`` (V,) of the last position -> token id."""
+    def __call__(self, logits: torch.Tensor, history: list[int] = ()) -> int:
+        """``logits`` (V,) of the last position, ``history`` the answer's tokens so far -> token id."""
+        if self.processors:
+            ids = torch.tensor([list(history)], dtype=torch.long, device=logits.device)
+            scores = logits.float()[None]
+            for process in self.processors:
+                scores = process(ids, scores)
+            logits = scores[0]
         if self.greedy:
             return int(logits.argmax())
         scores = logits.float()[None]
@@ -71,33 +109,129 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-class TextStream:
-    """Turns generated token ids into text pieces, holding back what may be a stop string.
+# A sentence ends at . ! ? before white space, a line at a newline.
+_SEGMENT_END = re.compile(r"[.!?](?=\s)|\n")
 
-    Decoding the whole answer each step (answers are short) keeps multi-byte characters and
-    tokenizer-specific spacing right, which per-token decoding gets wrong.
+
+class LoopGuard:
+    """Tells when an answer started repeating itself, and where to cut it.
+
+    Two signs, both within one answer: a sentence or line (at least ``min_chars`` characters and
+    two words) that equals an earlier one, and a block of ``period`` tokens repeated ``repeats``
+    times in a row (``period * repeats >= min_run`` tokens: "1000000" is not a loop, "-S-GUID-S-GUID-S-GUID"
+    is). Small models loop on long contexts; llama.cpp and transformers guard against it with
+    repetition penalties, which change every later token: this only decides where to stop.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, min_chars: int = 12, min_run: int = 12, max_period: int = 16, repeats: int = 3):
+        self.min_chars, self.min_run, self.max_period, self.repeats = min_chars, min_run, max_period, repeats
+
+    def _sentence(self, text: str) -> str | None:
+        sentence = " ".join(text.split())
+        return sentence if len(sentence) >= self.min_chars and " " in sentence else None
+
+    def segments(self, text: str) -> tuple[list[tuple[int, int]], int]:
+        """Spans of the finished sentences and lines of ``text``, and where the unfinished one starts."""
+        spans, start = [], 0
+        for match in _SEGMENT_END.finditer(text):
+            spans.append((start, match.end()))
+            start = match.end()
+        return spans, start
+
+    def repeated_sentence(self, text: str) -> int | None:
+        """Where the last finished sentence starts when it repeats an earlier one, else ``None``."""
+        spans, _ = self.segments(text)
+        if len(spans) < 2:
+            return None
+        last = self._sentence(text[spans[-1][0] : spans[-1][1]])
+        earlier = {self._sentence(text[a:b]) for a, b in spans[:-1]}
+        return spans[-1][0] if last is not None and last in earlier else None
+
+    def may_repeat(self, text: str) -> int | None:
+        """Where the unfinished sentence starts when it is so far the start of an earlier one (hold it back)."""
+        spans, start = self.segments(text)
+        partial = " ".join(text[start:].split())
+        if not partial:
+            return None
+        earlier = (self._sentence(text[a:b]) for a, b in spans)
+        return start if any(s is not None and s.startswith(partial) for s in earlier) else None
+
+    def repeated_run(self, ids: list[int]) -> int | None:
+        """How many trailing tokens repeat a block of up to ``max_period`` tokens (all but its first copy)."""
+        for period in range(1, self.max_period + 1):
+            span = period * max(self.repeats, -(-self.min_run // period))
+            if len(ids) < span:
+                break
+            block = ids[-period:]
+            if all(ids[-span + i] == block[i % period] for i in range(span)):
+                while len(ids) >= span + period and ids[-span - period : -span] == block:
+                    span += period  # the whole run, back to its first copy
+                return span - period
+        return None
+
+
+class TextStream:
+    """Turns generated token ids into text pieces, holding back what may be a stop string or a repeat.
+
+    Tokens are decoded incrementally (``tokenizers``' ``DecodeStream``: O(1) per token, multi-byte
+    characters and the tokenizer's own spacing kept right); tokenizers without a fast backend
+    decode the whole answer each step. With a :class:`LoopGuard`, an answer that repeats itself
+    ends (:attr:`reason` ``"repetition"``) before the repeat: a sentence that may be starting to
+    repeat an earlier one is held back until it differs, and a repeated run of tokens is cut.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), guard: LoopGuard | None = None):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.guard = guard
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.reason = "stop"
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._decoder = DecodeStream(skip_special_tokens=True) if backend is not None else None
+
+    def _decode(self, token_id: int) -> None:
+        if self._decoder is None:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            return
+        piece = self._decoder.step(self._backend, token_id)
+        if piece:
+            self.text += piece
 
     def push(self, token_id: int) -> str:
         """Add a token; return the newly final text (may be empty)."""
         self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._decode(token_id)
         for s in self.stop:
             at = self.text.find(s)
             if at >= 0:
                 self.text, self.stopped = self.text[:at], True
+        hold = len(self.text)
+        if self.guard is not None and not self.stopped:
+            hold = self._guard()
         if self.text.endswith("\ufffd") and not self.stopped:  # an incomplete multi-byte character
             return ""
-        hold = 0 if self.stopped else max((len(s) - 1 for s in self.stop), default=0)
-        return self._emit(len(self.text) - hold)
+        if not self.stopped:
+            hold = min(hold, len(self.text) - max((len(s) - 1 for s in self.stop), default=0))
+        return self._emit(hold)
+
+    def _guard(self) -> int:
+        """Apply the loop guard; return how much of the text may be emitted now."""
+        repeat = self.guard.repeated_sentence(self.text)
+        run = self.guard.repeated_run(self.ids) if repeat is None else None
+        if repeat is not None or run is not None:
+            cut = repeat if repeat is not None else self._text_without_last(run)
+            self.text, self.stopped, self.reason = self.text[: max(cut, self.emitted)], True, "repetition"
+            return len(self.text)
+        held = self.guard.may_repeat(self.text)
+        return len(self.text) if held is None else held
+
+    def _text_without_last(self, tokens: int) -> int:
+        """Length of the text of all but the last ``tokens`` ids (where a repeated run started)."""
+        return len(self.tokenizer.decode(self.ids[:-tokens], skip_special_tokens=True))
 
     def flush(self) -> str:
         """Return whatever is still held back once decoding has ended.
@@ -105,6 +239,10 @@ class TextStream:
         A trailing incomplete multi-byte character (decoded as U+FFFD) is dropped from the text.
         """
         self.text = self.text.rstrip("\ufffd")
+        if self.guard is not None and not self.stopped:
+            repeat = self.guard.repeated_sentence(self.text + "\n")  # the last sentence, ended by the end
+            if repeat is not None:
+                self.text, self.reason = self.text[: max(repeat, self.emitted)], "repetition"
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
