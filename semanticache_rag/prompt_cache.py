@@ -7,10 +7,21 @@ compressed with the engine's compressor and kept; the rest (the question) is all
 calls compute. The split is at the same character for every prompt of that pipeline, so later
 prompts find the cache by exact text match and answers stay identical to a fresh prefill of the
 same cache.
+
+Retrieval pipelines (loader -> splitter -> retriever -> prompt with the retrieved chunks) paste
+*pieces* of a document, a few at a time, in any order. Register the pieces the retriever returns
+(the splitter's chunks, or the pages): every registered piece found verbatim in a prompt is
+spliced from a cache of its own instead of being prefilled (non-prefix reuse). A piece's cache
+holds the text between the previous piece and it (the pipeline's separator or node metadata) and
+the piece itself, prefilled after the prompt's head (its text before the first piece) and
+compressed with the engine's compressor; pieces are placed one after the other with their keys
+moved to their new positions (:mod:`semanticache_rag.sections`). Spliced pieces did not attend to
+each other when they were prefilled: the same trade as a long document's sections.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -20,11 +31,15 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from semanticache_rag.cache import DocumentCache, Selection
 from semanticache_rag.conversation import Answer, Conversation
 from semanticache_rag.documents import Document, document_from_text, load_document
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.reading import compress_section, prefill_section, read_head
+from semanticache_rag.sections import SectionedCache
 
 _ANCHOR = 80  # characters matched at each end of a document
+MIN_PIECE_CHARS = 64  # shorter registered pieces are not looked for in prompts
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -46,22 +61,21 @@ def _anchor_pairs(raw_pages: list[str], normalised: str) -> list[tuple[str, str]
 class AnswerStream:
     """Iterate for text pieces; :attr:`answer` is the :class:`Answer` once iteration ends."""
 
-    def __init__(self, pieces: Iterator[str], conversation: Conversation, created: int, doc_id: str | None):
+    def __init__(self, pieces: Iterator[str], conversation: Conversation, created: tuple, doc_id: str | None):
         self._pieces, self._conversation = pieces, conversation
-        self._created, self._doc_id = created, doc_id
+        (self._created, self._created_s), self._doc_id = created, doc_id
         self.answer: Answer | None = None
 
     def __iter__(self) -> Iterator[str]:
         yield from self._pieces
-        answer, cache = self._conversation.last_answer, self._conversation.cache
+        answer = self._conversation.last_answer
         # Tokens prefilled by this very call were created, not read, from the cache.
-        created_s = cache.prefill_s + cache.compress_s if self._created else 0.0
         self.answer = dataclasses.replace(
             answer,
             cached_tokens=answer.cached_tokens - self._created,
             cache_creation_tokens=self._created,
             document_id=self._doc_id,
-            prefill_s=answer.prefill_s + created_s,
+            prefill_s=answer.prefill_s + self._created_s,
         )
 
 
@@ -73,20 +87,33 @@ class PromptCache:
     engine : Engine
     max_prefixes : int
         Prompt prefixes (document caches) kept in memory, least recently used evicted.
+    max_piece_bytes : int
+        Memory for the caches of registered pieces found in prompts, least recently used evicted.
     """
 
-    def __init__(self, engine, max_prefixes: int = 4):
-        if max_prefixes < 1:
-            raise ConfigError(f"max_prefixes must be >= 1, got {max_prefixes!r}")
-        self.engine, self.max_prefixes = engine, max_prefixes
+    def __init__(self, engine, max_prefixes: int = 4, max_piece_bytes: int = 512 * 2**20):
+        if max_prefixes < 1 or max_piece_bytes < 0:
+            raise ConfigError(
+                f"max_prefixes must be >= 1 and max_piece_bytes >= 0, got {max_prefixes!r}, {max_piece_bytes!r}"
+            )
+        self.engine, self.max_prefixes, self.max_piece_bytes = engine, max_prefixes, max_piece_bytes
         self.documents: dict[str, Document] = {}
         self._anchors: dict[str, list[tuple[str, str]]] = {}
-        self._caches: OrderedDict[str, tuple] = OrderedDict()
+        self._caches: OrderedDict[str, DocumentCache] = OrderedDict()
+        self._pieces: dict[str, list[str]] = {}
+        self._piece_caches: OrderedDict[str, DocumentCache] = OrderedDict()
+        self._heads: OrderedDict[str, tuple] = OrderedDict()
         self._lock = threading.Lock()
+        self._building: dict[str, threading.Lock] = {}
         self._empty = None
 
     def register(self, source, doc_id: str | None = None) -> str:
-        """Register a document (path, text, :class:`Document` or page texts); return its id."""
+        """Register a document (path, text, :class:`Document`, or page or chunk texts); return its id.
+
+        A prompt that contains the whole document reuses its cache; given as a list of texts,
+        each one (of at least :data:`MIN_PIECE_CHARS` characters) found in a prompt is spliced
+        from a cache of its own too, wherever it is and whatever else the prompt holds.
+        """
         pages = [str(p) for p in source] if isinstance(source, Sequence) and not isinstance(source, str) else None
         document = load_document(document_from_text("\n\n".join(pages)) if pages is not None else source)
         doc_id = doc_id or document.sha256[:16]
@@ -96,6 +123,7 @@ class PromptCache:
         with self._lock:
             self.documents[doc_id] = document
             self._anchors[doc_id] = _anchor_pairs(raw, document.text)
+            self._pieces[doc_id] = [p for p in pages or () if len(p.strip()) >= MIN_PIECE_CHARS]
         return doc_id
 
     def render(self, messages) -> str:
@@ -119,14 +147,32 @@ class PromptCache:
                     break
         return best
 
+    def find_pieces(self, text: str) -> list[tuple[int, int, str]]:
+        """(start, end, document id) of the registered pieces found in ``text``, in order, not overlapping."""
+        found = []
+        for doc_id, pieces in list(self._pieces.items()):
+            for piece in pieces:
+                at = text.find(piece)
+                if at >= 0:
+                    found.append((at, at + len(piece), doc_id))
+        chosen, end = [], 0
+        for start, stop, doc_id in sorted(found, key=lambda f: (f[0], f[0] - f[1])):
+            if start >= end:
+                chosen.append((start, stop, doc_id))
+                end = stop
+        return chosen
+
     def stream(self, messages, **options) -> AnswerStream:
-        """Answer a pipeline's prompt, reusing the cache of a registered document it contains."""
+        """Answer a pipeline's prompt, reusing the caches of the registered documents or pieces it contains."""
         text = self.render(messages)
         found = self.locate(text)
-        cache, created, doc_id, split = self._empty_cache(), 0, None, 0
+        cache, created, doc_id, split = self._empty_cache(), (0, 0.0), None, 0
         if found:
             doc_id, start, split = found
             cache, created = self._cache_for(text, start, split, doc_id)
+        elif pieces := self.find_pieces(text):
+            doc_id, split = pieces[0][2], pieces[-1][1]
+            cache, created = self._spliced(text, pieces)
         tail = self.engine.tokenizer(text[split:], add_special_tokens=False)["input_ids"]
         question = messages if isinstance(messages, str) else messages[-1]["content"]
         conversation = Conversation(self.engine, cache)
@@ -144,31 +190,97 @@ class PromptCache:
             self._empty = self.engine.empty_cache()
         return self._empty
 
-    def _cache_for(self, text: str, start: int, split: int, doc_id: str):
-        """The compressed cache of ``text[:split]``, built (and counted as created) on first use."""
-        key = hashlib.sha256(text[:split].encode()).hexdigest()
+    @contextlib.contextmanager
+    def _building_lock(self, key: str):
+        """One build per key: a thread that finds another building the same cache waits for it."""
         with self._lock:
-            if key in self._caches:
-                self._caches.move_to_end(key)
-                return self._caches[key], 0
+            lock = self._building.setdefault(key, threading.Lock())
+        with lock:
+            yield
+
+    def _cache_for(self, text: str, start: int, split: int, doc_id: str):
+        """The compressed cache of ``text[:split]`` and (tokens, seconds) this call spent building it."""
+        key = hashlib.sha256(text[:split].encode()).hexdigest()
+        with self._building_lock(key):
+            with self._lock:
+                if key in self._caches:
+                    self._caches.move_to_end(key)
+                    return self._caches[key], (0, 0.0)
+            cache, created = self._build_prefix(text, start, split, doc_id)
+            with self._lock:
+                self._caches[key] = cache
+                while len(self._caches) > self.max_prefixes:
+                    self._caches.popitem(last=False)
+        return cache, created
+
+    def _build_prefix(self, text: str, start: int, split: int, doc_id: str):
         tokenizer, engine, document = self.engine.tokenizer, self.engine, self.documents[doc_id]
-        created = 0
+        created = (0, 0.0)
 
         def compute(sections=None):  # a prompt prefix is read whole: no sections to keep
             nonlocal created
             head = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
             body = tokenizer(text[start:split], add_special_tokens=False)["input_ids"]
             pages = torch.cat([torch.full((len(head),), -1), torch.zeros(len(body))]).to(torch.int32)
-            created = len(head) + len(body)
-            return engine.compress(engine.prefill_tokens(document, head + body, pages, progress=False))
+            cache = engine.compress(engine.prefill_tokens(document, head + body, pages, progress=False))
+            created = (len(head) + len(body), cache.prefill_s + cache.compress_s)
+            return cache
 
         if engine.store is None:
-            cache = compute()
-        else:  # kept on disk too: another process (or a later run) with this prompt loads it
-            prompt = hashlib.sha256(f"{start}\0{text[:split]}".encode()).hexdigest()
-            cache = engine.store.fetch(engine, document, compute, prompt=prompt)
-        with self._lock:
-            self._caches[key] = cache
-            while len(self._caches) > self.max_prefixes:
-                self._caches.popitem(last=False)
-        return cache, created
+            return compute(), created
+        # kept on disk too: another process (or a later run) with this prompt loads it
+        prompt = hashlib.sha256(f"{start}\0{text[:split]}".encode()).hexdigest()
+        return engine.store.fetch(engine, document, compute, prompt=prompt), created
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _spliced(self, text: str, pieces: list[tuple[int, int, str]]):
+        """The prompt's head and every found piece (with the text before it) spliced from their caches."""
+        engine, document = self.engine, self.documents[pieces[0][2]]
+        head_text = text[: pieces[0][0]]
+        (head, logits), created, seconds = self._head(head_text, document)
+        parts, previous = [], pieces[0][0]
+        for _, end, _ in pieces:
+            part, made, spent = self._piece(head_text, text[previous:end], head, logits)
+            parts.append(part)
+            created, seconds, previous = created + made, seconds + spent, end
+        spliced = SectionedCache(document, head, tuple(parts), ((0, 0),) * len(parts))
+        chosen = list(range(len(parts)))
+        selection = Selection(tuple(chosen), len(parts), (), "prompt pieces")
+        compact = engine.positions == "compact"
+        return spliced.splice(chosen, engine.rope_frequencies, selection, compact), (created, seconds)
+
+    def _head(self, head_text: str, document):
+        key = hashlib.sha256(head_text.encode()).hexdigest()
+        with self._building_lock(f"head:{key}"):
+            with self._lock:
+                if key in self._heads:
+                    self._heads.move_to_end(key)
+                    return self._heads[key], 0, 0.0
+            ids = self.engine.tokenizer(head_text, add_special_tokens=False)["input_ids"]
+            read = read_head(self.engine, document, ids)  # (cache, last logits)
+            with self._lock:
+                self._heads[key] = read
+                while len(self._heads) > self.max_prefixes:
+                    self._heads.popitem(last=False)
+        return read, len(ids), read[0].prefill_s
+
+    def _piece(self, head_text: str, piece_text: str, head, logits):
+        """The cache of ``piece_text`` read after ``head``: (cache, tokens built now, seconds spent)."""
+        key = hashlib.sha256(f"{head_text}\0{piece_text}".encode()).hexdigest()
+        with self._building_lock(f"piece:{key}"):
+            with self._lock:
+                if key in self._piece_caches:
+                    self._piece_caches.move_to_end(key)
+                    return self._piece_caches[key], 0, 0.0
+            engine = self.engine
+            ids = engine.tokenizer(piece_text, add_special_tokens=False)["input_ids"]
+            prefill = prefill_section(engine, head, logits, ids, engine.compressor.needs_surprisal)
+            pages = torch.full((len(ids),), -1, dtype=torch.int32)  # a piece's pages are its pipeline's metadata
+            cache = compress_section(engine, engine.compressor, head, prefill, ids, pages)
+            with self._lock:
+                self._piece_caches[key] = cache
+                total = sum(c.nbytes for c in self._piece_caches.values())
+                while total > self.max_piece_bytes and len(self._piece_caches) > 1:
+                    total -= self._piece_caches.popitem(last=False)[1].nbytes
+        return cache, len(ids), cache.prefill_s + cache.compress_s

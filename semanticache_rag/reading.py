@@ -21,9 +21,12 @@ from semanticache_rag.kv import ConversationKV, LayerKV
 from semanticache_rag.sections import SectionedCache, plan_sections
 
 
-def read_head(engine, document: Document) -> tuple[DocumentCache, torch.Tensor]:
-    """The prompt head's cache (uncompressed) and its last logits, which predict a section's first token."""
-    ids = engine.head_ids
+def read_head(engine, document: Document, ids: list[int] | None = None) -> tuple[DocumentCache, torch.Tensor]:
+    """The prompt head's cache (uncompressed) and its last logits, which predict a section's first token.
+
+    ``ids``: the head's tokens (default: the engine's template head).
+    """
+    ids = engine.head_ids if ids is None else ids
     started = time.perf_counter()
     kv = ConversationKV(num_layers=engine.model.config.num_hidden_layers, capacity=len(ids))
     logits = engine.forward(kv, ids, 0)[-1]

@@ -106,3 +106,76 @@ def test_prompt_prefix_is_stored_for_the_next_process(tiny_model, tiny_tokenizer
     assert second.ask(framed + [{"role": "user", "content": "Hi"}], max_new_tokens=3).cache_creation_tokens > 1000
     plain = second.engine.read(document_text, progress=False)  # the engine's own read is another entry
     assert second.engine.store.stats.misses == 2 and plain.length != before.cache_creation_tokens
+
+
+# -- pieces found anywhere in a prompt (retrieval pipelines) -------------------------------------
+
+
+def chunks_of(text: str, size: int = 500) -> list[str]:
+    return [text[i : i + size] for i in range(0, 3000, size)]
+
+
+def rag_prompt(pieces: list[str], question: str) -> list[dict]:
+    """What a retriever + stuff chain sends: the retrieved chunks joined, in the order it ranked them."""
+    return stuff_prompt("\n\n".join(pieces), question)
+
+
+def test_registered_chunks_are_spliced_wherever_a_prompt_has_them(tiny_engine, document_text):
+    chunks = chunks_of(document_text)
+    cache = PromptCache(tiny_engine)
+    doc_id = cache.register(chunks)
+    first = cache.ask(rag_prompt([chunks[3], chunks[1]], "Who may copy it?"), max_new_tokens=4)
+    assert first.document_id == doc_id and first.cached_tokens == 0 and first.cache_creation_tokens > 300
+    assert first.sections == (0, 1) and first.routing == "prompt pieces"
+    second = cache.ask(rag_prompt([chunks[3], chunks[5]], "What is it about?"), max_new_tokens=4)
+    tokens = len(tiny_engine.tokenizer("\n\n" + chunks[5], add_special_tokens=False)["input_ids"])
+    assert second.cache_creation_tokens == tokens  # the head and chunk 3 came from their caches
+    assert second.cached_tokens == first.cache_creation_tokens - len(
+        tiny_engine.tokenizer("\n\n" + chunks[1], add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_one_spliced_chunk_answers_as_the_plain_prompt(tiny_engine, document_text):
+    """A single piece right after the head is prefilled exactly where the plain prompt has it (the text is
+    tokenised in the same three parts: before the piece, the piece, after it)."""
+    chunks = chunks_of(document_text)
+    messages = rag_prompt([chunks[2]], "Who may copy it?")
+    cache = PromptCache(tiny_engine)
+    cache.register(chunks)
+    spliced = cache.ask(messages, max_new_tokens=10, loop_guard=False)
+    text = cache.render(messages)
+    start = text.index(chunks[2])
+    parts = (text[:start], chunks[2], text[start + len(chunks[2]) :])
+    ids = torch.tensor([sum((tiny_engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in parts), [])])
+    with torch.inference_mode():
+        out = tiny_engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
+    assert spliced.document_id is not None
+    assert list(spliced.completion_ids) == out[0, ids.shape[1] :].tolist()[: len(spliced.completion_ids)]
+
+
+def test_two_threads_asking_with_a_new_document_build_its_cache_once(tiny_engine, document_text, monkeypatch):
+    import threading
+
+    cache = PromptCache(tiny_engine)
+    cache.register(document_text)
+    builds, original = [], PromptCache._build_prefix
+    monkeypatch.setattr(PromptCache, "_build_prefix", lambda self, *a: builds.append(1) or original(self, *a))
+    messages = [stuff_prompt(document_text, q) for q in ("Who may copy it?", "What is it about?")]
+    expected = [PromptCache(tiny_engine, max_prefixes=1) for _ in messages]
+    for other in expected:
+        other.register(document_text)
+    expected = [other.ask(m, max_new_tokens=6).answer for other, m in zip(expected, messages)]
+    builds.clear()
+    got = [None, None]
+    threads = [
+        threading.Thread(target=lambda i=i: got.__setitem__(i, cache.ask(messages[i], max_new_tokens=6)))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and [a.answer for a in got] == expected
+    assert sorted(a.cache_creation_tokens > 0 for a in got) == [False, True]
