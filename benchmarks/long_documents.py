@@ -34,7 +34,7 @@ from benchmarks.ruler_tasks import Context, build, score
 from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor
 from semanticache_rag.documents import document_from_text
 from semanticache_rag.reading import compress_section, prefill_section, read_head
-from semanticache_rag.sections import SectionedCache, plan_sections
+from semanticache_rag.sections import SectionedCache, character_spans, plan_sections
 
 RESULTS = Path(__file__).parent / "results" / "long_documents"
 TASKS = ("niah_single_2", "niah_multikey_1", "qa_1", "qa_2")
@@ -63,7 +63,7 @@ def read_sectioned(engine: Engine, text: str, ratios) -> tuple[dict[float, Secti
             compress_s[ratio] += section.compress_s
         del prefill
     prefill_s = time.perf_counter() - started - sum(compress_s.values())
-    spans = tuple((offsets[a], offsets[b] if b < len(offsets) else len(text)) for a, b in ranges)
+    spans = character_spans(document, offsets, ranges)
     caches = {r: SectionedCache(document, head, tuple(sections[r]), spans) for r in ratios}
     timing = {"tokens": len(ids), "sections": len(ranges), "prefill_s": prefill_s, "compress_s": compress_s}
     return caches, timing

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
@@ -73,13 +73,18 @@ class DocumentQueryEngine(CustomQueryEngine):
         """Generation options: the LLM's fields, updated by ``overrides``."""
         return generation_options(self.llm.default_options(), overrides)
 
-    def source_nodes(self, question: str, answer: str) -> list[NodeWithScore]:
-        """The pages ``answer`` most likely came from, as scored text nodes."""
+    def source_nodes(self, question: str, answer: str, pages: Sequence[str] | None = None) -> list[NodeWithScore]:
+        """The pages ``answer`` most likely came from, as scored text nodes.
+
+        ``pages``: the labels of the pages the answer was conditioned on (``Answer.pages``; for a
+        long document, those of the sections it was answered from); all pages when ``None``.
+        """
         document = self.cache.document
-        texts = [document.text[page.start : page.end] for page in document.pages]
+        candidates = [p for p in document.pages if pages is None or p.label in set(pages)]
+        texts = [document.text[page.start : page.end] for page in candidates]
         nodes = []
         for index, score in rank_pages(texts, question, answer, self.max_source_pages):
-            page = document.pages[index]
+            page = candidates[index]
             metadata = {"page_label": page.label, "file_name": document.name, "file_path": document.source}
             node = TextNode(id_=f"{document.sha256[:16]}-p{page.number}", text=texts[index], metadata=metadata)
             nodes.append(NodeWithScore(node=node, score=score))
@@ -87,7 +92,7 @@ class DocumentQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response:
         answer = self.llm.engine.ask(self.cache, query_str, **self.options())
-        return Response(answer.answer, self.source_nodes(query_str, answer.answer), answer.to_dict())
+        return Response(answer.answer, self.source_nodes(query_str, answer.answer, answer.pages), answer.to_dict())
 
     async def acustom_query(self, query_str: str) -> Response:
         return await asyncio.to_thread(self.custom_query, query_str)
@@ -152,13 +157,13 @@ class DocumentChatEngine(BaseChatEngine):
     def _pieces(self, message: str, response: StreamingAgentChatResponse) -> Iterator[str]:
         yield from self.conversation.stream(message)
         answer = self.conversation.last_answer
-        response.source_nodes.extend(self.query_engine.source_nodes(message, answer.answer))
+        response.source_nodes.extend(self.query_engine.source_nodes(message, answer.answer, answer.pages))
         response.metadata = answer.to_dict()  # type: ignore[attr-defined]  # not a field; documented
 
     def chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> AgentChatResponse:
         self._use_history(chat_history)
         answer = self.conversation.ask(message)
-        nodes = self.query_engine.source_nodes(message, answer.answer)
+        nodes = self.query_engine.source_nodes(message, answer.answer, answer.pages)
         return AgentChatResponse(response=answer.answer, source_nodes=nodes, metadata=answer.to_dict())
 
     def stream_chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> StreamingAgentChatResponse:

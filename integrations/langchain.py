@@ -40,18 +40,21 @@ try:
         GenerationChunk,
         LLMResult,
     )
+    from langchain_core.retrievers import BaseRetriever
 except ImportError as exc:  # pragma: no cover - exercised by the import-hint test
     raise ImportError(
         'semanticache_rag.integrations.langchain needs langchain-core: pip install "semanticache-rag[langchain]"'
     ) from exc
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from semanticache_rag.integrations._common import EngineSettings, generation_options, iterate_in_thread
 
-from semanticache_rag.documents import read_pdf
+from semanticache_rag.documents import load_document, read_pdf
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.models import DEFAULT_MODEL
+from semanticache_rag.routing import BM25Router, ranking
+from semanticache_rag.sections import character_spans, plan_sections
 
-__all__ = ["ChatSemantiCache", "SemantiCacheLLM", "SemantiCachePDFLoader"]
+__all__ = ["ChatSemantiCache", "SemantiCacheLLM", "SemantiCachePDFLoader", "SemantiCacheRetriever"]
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
 _SKIPPED_BLOCKS = frozenset({"thinking", "reasoning"})  # a model's hidden reasoning is not content
@@ -142,6 +145,10 @@ class _SemantiCacheModel(EngineSettings):
             "host_bytes": answer.host_bytes,
             "spans_expanded": answer.spans_expanded,
             "tokens_reconstructed": answer.tokens_reconstructed,
+            "pages": list(answer.pages),
+            "sections": list(answer.sections),
+            "routing": answer.routing,
+            "routing_matched": answer.routing_matched,
         }
 
 
@@ -389,3 +396,59 @@ class SemantiCachePDFLoader(BaseLoader):
                 "total_pages": document.total_pages,
             }
             yield LCDocument(page_content=document.text[page.start : page.end], metadata=metadata)
+
+
+class SemantiCacheRetriever(BaseRetriever):
+    """A long document's sections that a question needs, by this package's routing (BM25 over sections).
+
+    The document is split as :meth:`Engine.read <semanticache_rag.Engine.read>` splits it (page and
+    paragraph boundaries, at most ``section_tokens`` tokens) and nothing is prefilled: routing needs
+    no model run. Each returned ``Document`` is one section, with ``metadata`` ``source``,
+    ``pages`` (labels), ``page`` (0-based first page), ``page_label``, ``section`` and ``score``.
+    With an ``llm`` the sections are registered with its prompt cache, so a chain that pastes them
+    into the prompt (e.g. ``create_retrieval_chain`` with a stuff chain) is answered from their
+    caches: each section is prefilled once after the chain's prompt head, however often and in
+    whatever order it is retrieved.
+
+    Example
+    -------
+    >>> llm = ChatSemantiCache()
+    >>> retriever = SemantiCacheRetriever(source="R-exts.pdf", llm=llm, k=2)
+    >>> retriever.invoke("How do I register native routines?")[0].metadata["pages"]
+    """
+
+    source: Any = Field(description="Path of a PDF or text file, the text itself, or a semanticache Document.")
+    llm: Any = Field(description="A ChatSemantiCache or SemantiCacheLLM: its tokenizer and prompt cache.")
+    k: int = Field(default=4, ge=1, description="Sections returned per query, best first.")
+
+    _index: Any = PrivateAttr(default=None)
+
+    def _sections(self):
+        """(document, character spans, router), built once."""
+        if self._index is None:
+            engine = self.llm.engine
+            document = load_document(self.source)
+            _, offsets, _ = engine.tokenize_document(document)
+            spans = character_spans(document, offsets, plan_sections(document, offsets, engine.section_tokens))
+            texts = [document.text[a:b] for a, b in spans]
+            self.llm.prompt_cache.register(texts)
+            self._index = (document, spans, BM25Router(texts))
+        return self._index
+
+    def _get_relevant_documents(self, query: str, *, run_manager: Any = None) -> list[LCDocument]:
+        document, spans, router = self._sections()
+        scores = router.scores(query)
+        found = []
+        for k in ranking(scores)[: self.k]:
+            start, end = spans[k]
+            pages = [p for p in document.pages if p.start < end and p.end >= start] or [document.page_at(start)]
+            metadata = {
+                "source": document.source or document.name,
+                "pages": [p.label for p in pages],
+                "page": pages[0].number - 1,
+                "page_label": pages[0].label,
+                "section": k,
+                "score": float(scores[k]),
+            }
+            found.append(LCDocument(page_content=document.text[start:end], metadata=metadata))
+        return found

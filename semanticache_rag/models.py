@@ -8,7 +8,10 @@ Any transformers causal-LM id or local directory works too.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -65,6 +68,7 @@ def _convert_default_model(target: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _record_conversion(tmp)
         tmp.rename(target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -72,14 +76,78 @@ def _convert_default_model(target: Path) -> None:
             raise
 
 
+_RECORD = "conversion.json"  # size, modification time and SHA-256 of each converted file
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_conversion(target: Path) -> None:
+    """Write what :func:`_conversion_intact` checks: every file's size, mtime and SHA-256."""
+    record = {}
+    for path in sorted(p for p in target.iterdir() if p.is_file() and p.name != _RECORD):
+        stat = path.stat()
+        record[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _file_sha256(path)}
+    tmp = target / f".{_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(target / _RECORD)
+
+
+def _conversion_intact(target: Path) -> bool:
+    """Whether the converted default model is as it was written: sizes always, hashes of changed files.
+
+    A file whose size or modification time changed is hashed (~1 s for the 540 MB of weights);
+    untouched files are not, so the check costs a few ``stat`` calls. A conversion from before
+    records existed is recorded now, as it is.
+    """
+    try:
+        record = json.loads((target / _RECORD).read_text())
+    except FileNotFoundError:
+        with contextlib.suppress(OSError):
+            _record_conversion(target)
+        return True
+    except (OSError, ValueError):
+        return False
+    try:
+        for name, want in record.items():
+            stat = (target / name).stat()
+            if stat.st_size != want["size"]:
+                return False
+            if stat.st_mtime_ns != want["mtime_ns"] and _file_sha256(target / name) != want["sha256"]:
+                return False
+    except (OSError, KeyError, TypeError):
+        return False
+    return True
+
+
 def resolve_model(name: str | os.PathLike[str] | None) -> str:
-    """Map ``name`` to something ``from_pretrained`` accepts; ``None`` means the default model."""
+    """Map ``name`` to something ``from_pretrained`` accepts; ``None`` means the default model.
+
+    The default model is converted from its packaged GGUF on first use and checked on every later
+    one; a converted copy that no longer matches what was written is converted again.
+    """
     if name is None or str(name).lower() in {DEFAULT_MODEL.lower(), "default"}:
         target = home_dir() / "models" / DEFAULT_MODEL
+        if (target / "config.json").is_file() and not _conversion_intact(target):
+            logger.warning("The converted default model in %s is damaged; converting it again from the GGUF", target)
+            _discard(target)
         if not (target / "config.json").is_file():
             _convert_default_model(target)
         return str(target)
     return str(name)
+
+
+def _discard(target: Path) -> None:
+    """Move a damaged conversion out of the way (derived data, proven damaged by its record) and delete it."""
+    trash = target.with_name(f".damaged-{target.name}-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        target.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def load_model(name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None):
@@ -90,6 +158,7 @@ def load_model(name: str | os.PathLike[str] | None = None, device: str | None = 
     ModelLoadError
         When the model cannot be found offline or is not a causal language model.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)
@@ -97,7 +166,7 @@ def load_model(name: str | os.PathLike[str] | None = None, device: str | None = 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", attn_implementation=attn)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise ModelLoadError(
             f"Cannot load model {str(name)!r}: {str(exc).splitlines()[0]}. Pass a local directory or a "
             "transformers causal-LM id that is available offline (or omit --model for the default)."

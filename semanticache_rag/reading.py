@@ -18,7 +18,7 @@ from semanticache_rag.cache import DocumentCache
 from semanticache_rag.compressors import CompressionContext
 from semanticache_rag.documents import Document
 from semanticache_rag.kv import ConversationKV, LayerKV
-from semanticache_rag.sections import SectionedCache, plan_sections
+from semanticache_rag.sections import SectionedCache, character_spans, plan_sections
 
 
 def read_head(engine, document: Document, ids: list[int] | None = None) -> tuple[DocumentCache, torch.Tensor]:
@@ -89,5 +89,4 @@ def read_sections(engine, document: Document, tokens, *, progress: bool = True, 
                 bar.update(end - start)
             sections.append(section)
             bar.set_postfix_str(f"page {document.pages[int(pages[end - 1])].label} of {document.total_pages}")
-    spans = [(offsets[start], offsets[end] if end < len(offsets) else len(document.text)) for start, end in ranges]
-    return SectionedCache(document, head, tuple(sections), tuple(spans))
+    return SectionedCache(document, head, tuple(sections), character_spans(document, offsets, ranges))

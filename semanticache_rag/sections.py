@@ -89,6 +89,14 @@ def plan_sections(document: Document, offsets: list[int], max_tokens: int) -> li
     return sections
 
 
+def character_spans(
+    document: Document, offsets: list[int], ranges: list[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    """The character span in ``document.text`` of each token range of :func:`plan_sections`."""
+    end = len(document.text)
+    return tuple((offsets[a], offsets[b] if b < len(offsets) else end) for a, b in ranges)
+
+
 # -- splicing --------------------------------------------------------------------------------
 
 

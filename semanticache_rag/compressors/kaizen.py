@@ -363,8 +363,14 @@ class KaizenCompressor(Compressor):
         model = model_identity(context)
         for path in (table_path(model), table_path(model, _PACKAGED_TABLES)):
             if model and path.is_file():
-                table = load_table(path)
-                problem = check_table(table, layers, self.options, group)
+                try:
+                    table = load_table(path)
+                except ConfigError as exc:  # a damaged user calibration: the packaged one, or the fallback
+                    logger.warning(
+                        "%s; not used (python -m semanticache_rag.compressors.kaizen_calibration makes it again)", exc
+                    )
+                    continue
+                problem = check_table(table, layers, self.options, group) if isinstance(table, dict) else "not a table"
                 if problem is None:
                     return table
                 logger.info("Kaizen calibration %s not used: %s", path, problem)
