@@ -64,7 +64,7 @@ def run(args) -> list[dict]:
                             "score": float(value in answer.answer),
                             "answer": answer.answer,
                             "document_tokens": cache.length,
-                            "achieved_ratio": round(cache.compression_ratio, 4),
+                            "achieved_ratio": round(cache.entries_removed, 4),
                             "kv_bytes": cache.nbytes,
                             "full_kv_bytes": cache.full_nbytes,
                             "prefill_s": round(prefill.seconds, 3),

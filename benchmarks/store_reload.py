@@ -58,7 +58,8 @@ def child(args) -> None:
                 "tokens": cache.length,
                 "pages": cache.document.total_pages,
                 "cache_bytes": cache.nbytes,
-                "compression_ratio": round(cache.compression_ratio, 3),
+                "entries_removed": round(cache.entries_removed, 3),
+                "bytes_removed": round(cache.bytes_removed, 3),
                 "disk_bytes": entry.disk_bytes,
                 "answers": answers,
             }

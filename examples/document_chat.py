@@ -25,7 +25,8 @@ def main() -> None:
         cache = engine.read(pdf)
     print(
         f"Read {cache.document.name}: {cache.length:,} tokens in {cache.prefill_s:.1f} s; "
-        f"cache {cache.nbytes / 2**20:.1f} MiB ({cache.compression_ratio:.0%} of entries merged)\n"
+        f"cache {cache.nbytes / 2**20:.1f} MiB ({cache.entries_removed:.0%} of entries, "
+        f"{cache.bytes_removed:.0%} of bytes removed)\n"
     )
     chat = engine.conversation(cache, max_new_tokens=48)
     for question in TURNS:

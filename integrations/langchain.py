@@ -142,6 +142,8 @@ class _SemantiCacheModel(EngineSettings):
             "decode_s": answer.decode_s,
             "tokens_per_s": answer.tokens_per_s,
             "cache_bytes": answer.cache_bytes,
+            "entries_removed": answer.entries_removed,
+            "bytes_removed": answer.bytes_removed,
             "host_bytes": answer.host_bytes,
             "spans_expanded": answer.spans_expanded,
             "tokens_reconstructed": answer.tokens_reconstructed,

@@ -121,15 +121,22 @@ class DocumentCache:
         return sum(layer.num_entries for layer in self.layers)
 
     @property
-    def layer_compression_ratios(self) -> list[float]:
+    def layer_entries_removed(self) -> list[float]:
         """Fraction of KV entries removed, per layer."""
         return [1 - layer.num_entries / (layer.keys.shape[1] * self.length) for layer in self.layers]
 
     @property
-    def compression_ratio(self) -> float:
-        """Fraction of KV entries removed, over all layers and heads."""
+    def entries_removed(self) -> float:
+        """Fraction of KV entries removed, over all layers and heads (the ``compression_ratio`` of
+        entry-removing compressors; 0 for KV-Kaizen alone, which stores every entry smaller)."""
         full = sum(layer.keys.shape[1] * self.length for layer in self.layers)
         return 1 - self.num_entries / full if full else 0.0
+
+    @property
+    def bytes_removed(self) -> float:
+        """Fraction of the uncompressed cache's bytes saved (what memory and disk see)."""
+        full = self.full_nbytes
+        return 1 - self.nbytes / full if full else 0.0
 
     @property
     def total_pages(self) -> int:

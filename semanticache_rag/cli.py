@@ -54,11 +54,11 @@ def _read(engine, path, args):
         print(
             f"{how} {cache.document.name}: {cache.document.total_pages} pages, {cache.length:,} tokens{parts} in "
             f"{seconds:.1f}s; cache {cache.nbytes / 2**20:.1f} MiB "
-            f"({cache.compression_ratio:.0%} of entries removed)",
+            f"({cache.entries_removed:.0%} of entries and {cache.bytes_removed:.0%} of bytes removed)",
             file=sys.stderr,
         )
-    ratios = " ".join(f"{r:.2f}" for r in cache.layer_compression_ratios)
-    logger.info("compression ratio per layer: %s", ratios)
+    ratios = " ".join(f"{r:.2f}" for r in cache.layer_entries_removed)
+    logger.info("entries removed per layer: %s", ratios)
     return cache
 
 
@@ -154,6 +154,10 @@ def _when(seconds: float | None) -> str:
     return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def _mib(size: int | None) -> str:
     return "-" if size is None else f"{size / 2**20:,.1f} MiB ({size:,} bytes)"
 
@@ -172,7 +176,8 @@ def _entry_row(entry) -> dict:
         "pages": m.get("pages"),
         "tokens": m.get("tokens"),
         "compressed_bytes": m.get("nbytes"),
-        "compression_ratio": m.get("compression_ratio"),
+        "entries_removed": m.get("entries_removed"),
+        "bytes_removed": m.get("bytes_removed"),
         "model": m.get("model_name"),
         "compressor": m.get("compressor"),
         "created": m.get("created"),
@@ -187,16 +192,16 @@ def cmd_cache_list(args) -> None:
     if args.json:
         print(json.dumps(rows, ensure_ascii=False))
         return
-    table = [("ID", "DOCUMENT", "PAGES", "TOKENS", "MiB", "RATIO", "MODEL", "CREATED", "LAST USED")]
+    table = [("ID", "DOCUMENT", "PAGES", "TOKENS", "MiB", "ENTRIES-", "BYTES-", "MODEL", "CREATED", "LAST USED")]
     for r in rows:
-        ratio = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:.0%}"
+        entries, saved = (_percent(r[key]) for key in ("entries_removed", "bytes_removed"))
         size = "-" if r["compressed_bytes"] is None else f"{r['compressed_bytes'] / 2**20:.1f}"
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
-        cells = (_tail(r["document"], 32), str(r["pages"] or "-"), tokens, size, ratio, _tail(r["model"], 28))
+        cells = (_tail(r["document"], 32), str(r["pages"] or "-"), tokens, size, entries, saved, _tail(r["model"], 28))
         table.append((r["id"][:12], *cells, _when(r["created"]), _when(r["last_used"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
-        padded = (c.rjust(w) if i in (2, 3, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        padded = (c.rjust(w) if i in (2, 3, 4, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         print("  ".join(padded).rstrip())
     total = sum(r["disk_bytes"] for r in rows)
     count = f"{len(rows)} {'entry' if len(rows) == 1 else 'entries'}"
@@ -220,7 +225,8 @@ def cmd_cache_info(args) -> None:
         "tokens": None if row["tokens"] is None else f"{row['tokens']:,}",
         "compressed": _mib(row["compressed_bytes"]),
         "uncompressed": _mib(m.get("full_nbytes")),
-        "compression ratio": None if row["compression_ratio"] is None else f"{row['compression_ratio']:.1%}",
+        "entries removed": None if row["entries_removed"] is None else f"{row['entries_removed']:.1%}",
+        "bytes removed": None if row["bytes_removed"] is None else f"{row['bytes_removed']:.1%}",
         "model": row["model"],
         "compressor": row["compressor"],
         "read in (s)": None if m.get("prefill_s") is None else round(m["prefill_s"] + m["compress_s"], 2),

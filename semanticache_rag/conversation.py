@@ -25,7 +25,9 @@ class Answer:
     ``cached_tokens`` of them were reused from caches, so only ``prompt_tokens - cached_tokens``
     were computed for this question. ``cache_creation_tokens`` were prefilled into a new document
     cache by this call (prompt caching of registered documents, :mod:`semanticache_rag.prompt_cache`).
-    ``cache_bytes`` is the device memory of the document cache this answer used; with SeKV's
+    ``cache_bytes`` is the device memory of the document cache this answer used (``entries_removed``
+    and ``bytes_removed``: the fractions of its KV entries and of its bytes saved, against the full
+    cache of the same tokens); with SeKV's
     zoom-in it includes the spans rebuilt for this question (``spans_expanded`` spans,
     ``tokens_reconstructed`` tokens), and ``host_bytes`` is the host copy of all spans.
     ``conversation_bytes`` is what the turns appended after the document take in the working
@@ -58,6 +60,8 @@ class Answer:
     tokens_reconstructed: int = 0
     host_bytes: int = 0
     conversation_bytes: int = 0
+    entries_removed: float = 0.0
+    bytes_removed: float = 0.0
     pages: tuple[str, ...] = ()
     sections: tuple[int, ...] = ()
     sections_total: int = 1
@@ -230,6 +234,7 @@ class Conversation:
     def _finish(self, question, stream, tail_len, reused, generated, finish, times, zoom=None) -> None:
         (start, first), text = times, stream.text.strip()
         decode_s = time.perf_counter() - first
+        cache_bytes = self.cache.nbytes if zoom is None else zoom.device_bytes
         self.turns.append(Turn(question, text))
         self.last_answer = Answer(
             question=question,
@@ -241,7 +246,9 @@ class Conversation:
             decode_s=decode_s,
             tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
             document_tokens=self.cache.length,
-            cache_bytes=self.cache.nbytes if zoom is None else zoom.device_bytes,
+            cache_bytes=cache_bytes,
+            entries_removed=self.cache.entries_removed,
+            bytes_removed=1 - cache_bytes / self.cache.full_nbytes if self.cache.full_nbytes else 0.0,
             finish_reason=finish,
             completion_ids=tuple(stream.ids),
             spans_expanded=0 if zoom is None else zoom.spans_expanded,

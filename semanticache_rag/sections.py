@@ -218,14 +218,19 @@ class SectionedCache:
         return self.head.num_entries + sum(s.num_entries for s in self.sections)
 
     @property
-    def compression_ratio(self) -> float:
+    def entries_removed(self) -> float:
         """Fraction of KV entries removed, over all sections, layers and heads."""
         parts = (self.head, *self.sections)
         full = sum(layer.keys.shape[1] * part.length for part in parts for layer in part.layers)
         return 1 - self.num_entries / full
 
     @property
-    def layer_compression_ratios(self) -> list[float]:
+    def bytes_removed(self) -> float:
+        """Fraction of the uncompressed cache's bytes saved."""
+        return 1 - self.nbytes / self.full_nbytes
+
+    @property
+    def layer_entries_removed(self) -> list[float]:
         parts = (self.head, *self.sections)
         ratios = []
         for i in range(len(self.head.layers)):

@@ -122,4 +122,4 @@ def test_cache_bytes_are_measured(tiny_engine, document_text):
     cache = tiny_engine.read(document_text, progress=False)
     layer = cache.layers[0]
     assert cache.nbytes == cache.full_nbytes == len(cache.layers) * 2 * layer.keys.numel() * 4
-    assert cache.compression_ratio == 0
+    assert cache.entries_removed == 0

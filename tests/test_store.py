@@ -625,7 +625,11 @@ def test_cli_reuses_the_store_and_manages_it(tiny_model_dir, store_dir, tmp_path
     assert main(["cache", "list", "--store", str(store_dir), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["document"] == "doc.txt" and row["pages"] == 1 and row["tokens"] > 0 and row["compressed_bytes"] > 0
-    assert row["compression_ratio"] == 0 and row["model"] == str(tiny_model_dir) and row["last_used"] >= row["created"]
+    assert (
+        row["entries_removed"] == row["bytes_removed"] == 0
+        and row["model"] == str(tiny_model_dir)
+        and row["last_used"] >= row["created"]
+    )
     assert main(["cache", "list", "--store", str(store_dir)]) == 0
     out = capsys.readouterr().out
     assert row["id"][:12] in out and "doc.txt" in out and "1 entry," in out
@@ -683,3 +687,15 @@ def test_default_model_reload_in_a_fresh_process(tmp_path):
         f"\n{cache.length:,} tokens: first read {first_s:.1f}s, reload in a fresh process {reloaded['read_s']:.2f}s "
         f"({first_s / reloaded['read_s']:.0f}x)"
     )
+
+
+def test_listing_reports_entries_and_bytes_removed_apart(tiny_llama, tiny_tokenizer, store_dir, document_text, capsys):
+    """A KV-Kaizen cache keeps every entry and stores it smaller: 0% of entries, ~75% of bytes removed."""
+    engine = make_engine(tiny_llama, tiny_tokenizer, store_dir, KaizenCompressor(0.75, calibration=None))
+    cache = engine.read(document_text, progress=False)
+    assert cache.entries_removed == 0 and 0.7 <= cache.bytes_removed <= 0.8
+    assert main(["cache", "list", "--store", str(store_dir), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["entries_removed"] == 0 and row["bytes_removed"] == pytest.approx(cache.bytes_removed)
+    answer = engine.ask(cache, QUESTION, max_new_tokens=2)
+    assert answer.entries_removed == 0 and answer.bytes_removed == pytest.approx(cache.bytes_removed)
