@@ -121,6 +121,8 @@ def test_budget_is_met_to_the_byte(engine, prefill, ratio):
 def test_ratio_zero_keeps_the_full_cache_and_its_answer(engine, prefill):
     full = engine.compress(prefill, NoCompression())
     cache = engine.compress(prefill, KaizenCompressor(0.0, inner="semanticache"))
+    same = engine.compress(prefill, KaizenCompressor(0.0, inner=SemantiCacheCompressor()))  # an instance works alike
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, same.layers))
     assert cache.nbytes == full.nbytes and {layer_option(layer) for layer in cache.layers} == {"fp"}
     assert _answer(engine, cache) == _answer(engine, full)
 

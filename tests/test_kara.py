@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semanticache_rag import ConfigError, Engine, KaraCompressor, NoCompression
+from semanticache_rag import ConfigError, Engine, KaraCompressor, NoCompression, SemantiCacheCompressor
 from semanticache_rag.compressors import make_compressor
 
 QUESTIONS = ["Who may copy it?", "What may be changed?", "Is there a warranty?", "Who holds the rights?"]
@@ -61,7 +61,9 @@ def test_turns_after_compression_reuse_the_compressed_prefix(tiny_llama, tiny_to
         ({"keep_share": 1.0}, "keep_share"),
         ({"window_tokens": 1}, "window_tokens"),
         ({"inner": "kara"}, "inner"),
+        ({"inner": "sekv"}, "SeKV rebuilds every turn"),
         ({"compression_ratio": 0.5}, "compression_ratio"),
+        ({"inner": SemantiCacheCompressor(0.5), "compression_ratio": 0.5}, "inner compressor instance"),
     ],
 )
 def test_bad_configs_name_the_value(kwargs, message):
@@ -72,3 +74,5 @@ def test_bad_configs_name_the_value(kwargs, message):
 def test_kara_composes_with_a_document_compressor():
     kara = make_compressor("kara", 0.5, inner="semanticache")
     assert kara.document_compressor().compression_ratio == 0.5 and kara.needs_surprisal
+    inner = SemantiCacheCompressor(0.75)
+    assert KaraCompressor(inner=inner).document_compressor() is inner  # an instance, as kvpress composes presses

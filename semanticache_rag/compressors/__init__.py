@@ -25,10 +25,10 @@ def make_compressor(name: str, compression_ratio: float | None = None, **options
     """Build a registered compressor by name (as the CLI's ``--compression`` does).
 
     ``compression_ratio=None`` keeps the compressor's default ratio. ``"kaizen+NAME"`` is Kaizen
-    storing the entries of compressor ``NAME`` (``"kaizen+semanticache"``).
+    storing the entries of compressor ``NAME`` (``"kaizen+semanticache"``), given as an instance.
     """
     if name.startswith("kaizen+"):
-        name, options["inner"] = "kaizen", name.removeprefix("kaizen+")
+        name, options["inner"] = "kaizen", make_compressor(name.removeprefix("kaizen+"))
     if name not in COMPRESSORS:
         raise ConfigError(f"unknown compression {name!r}; choose one of {sorted(COMPRESSORS)}")
     if compression_ratio is not None:

@@ -22,6 +22,7 @@ and Kaizen stores the cores (the sizes stay exact integers); one budget covers b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -252,8 +253,9 @@ class KaizenCompressor(Compressor):
         ``"auto"``: the model's sensitivity table (:func:`table_path`, then the packaged one) when
         there is one, else reconstruction error on the document; a path: that table; ``None``:
         reconstruction error.
-    inner : str or None
-        A compressor to run first (``"semanticache"``); Kaizen then stores its entries.
+    inner : Compressor, str or None
+        A compressor to run first (``SemantiCacheCompressor()`` or ``"semanticache"``); Kaizen then
+        stores its entries. Its ratio is ``inner_ratio``, or chosen from the budget.
     inner_ratio : float or None
         The inner compressor's ratio; ``None`` lets it remove only what Kaizen's lowest precision
         cannot (on the default model int4 changes answers far less than merging tokens does).
@@ -265,7 +267,7 @@ class KaizenCompressor(Compressor):
     options: tuple[str, ...] = DEFAULT_OPTIONS
     group_size: int = 32
     calibration: str | None = "auto"
-    inner: str | None = None
+    inner: Compressor | str | None = None
     inner_ratio: float | None = None
 
     def __post_init__(self):
@@ -281,8 +283,9 @@ class KaizenCompressor(Compressor):
             from semanticache_rag.compressors import COMPRESSORS
 
             allowed = sorted(set(COMPRESSORS) - {"none", *_NO_INNER})
-            if self.inner not in allowed:
-                raise ConfigError(f"inner compressor {self.inner!r} cannot be wrapped; choose one of {allowed}")
+            name = self.inner.name if isinstance(self.inner, Compressor) else self.inner
+            if name not in allowed:
+                raise ConfigError(f"inner compressor {name!r} cannot be wrapped; choose one of {allowed}")
         if self.inner_ratio is not None and (self.inner is None or not 0 <= self.inner_ratio < 1):
             raise ConfigError(f"inner_ratio must be in [0, 1) and needs an inner compressor, got {self.inner_ratio!r}")
 
@@ -327,6 +330,8 @@ class KaizenCompressor(Compressor):
         raise NotImplementedError("Kaizen chooses all layers together under one budget: use compress_cache")
 
     def _inner(self, ratio: float) -> Compressor:
+        if isinstance(self.inner, Compressor):
+            return dataclasses.replace(self.inner, compression_ratio=ratio)
         from semanticache_rag.compressors import make_compressor
 
         return make_compressor(str(self.inner), ratio)

@@ -32,9 +32,12 @@ class KaraCompressor(Compressor):
     Attributes
     ----------
     compression_ratio : float
-        Ratio of the ``inner`` document compressor (0 with ``inner="none"``).
-    inner : str
-        Registered compressor for the document cache (``"none"``, ``"semanticache"``, ...).
+        Ratio of the ``inner`` document compressor when it is given by name (0 with ``inner="none"``).
+    inner : Compressor or str
+        The document cache's compressor: an instance (``SemantiCacheCompressor(0.5)``), or a
+        registered name (``"none"``, ``"semanticache"``, ...) built with ``compression_ratio``.
+        Not SeKV: its conversations rebuild the question's spans in front of the appended turns
+        and compute those turns again every time, so there is nothing for Kara to keep compressed.
     budget_tokens : int
         Appended entries per head kept before a window is compressed.
     window_tokens : int
@@ -49,7 +52,7 @@ class KaraCompressor(Compressor):
 
     name: ClassVar[str] = "kara"
     compression_ratio: float = 0.0
-    inner: str = "none"
+    inner: Compressor | str = "none"
     budget_tokens: int = 512
     window_tokens: int = 128
     keep_share: float = 0.5
@@ -60,8 +63,14 @@ class KaraCompressor(Compressor):
         super().__post_init__()
         from semanticache_rag.compressors import COMPRESSORS
 
-        if self.inner not in COMPRESSORS or self.inner == self.name:
-            raise ConfigError(f"inner must be a document compressor, one of {sorted(set(COMPRESSORS) - {self.name})}")
+        allowed = sorted(set(COMPRESSORS) - {self.name, "sekv"})
+        name = self.inner.name if isinstance(self.inner, Compressor) else self.inner
+        if name not in allowed:
+            raise ConfigError(
+                f"Kara's inner compressor must be one of {allowed}, got {name!r} (SeKV rebuilds every turn)"
+            )
+        if isinstance(self.inner, Compressor) and self.compression_ratio:
+            raise ConfigError("set the ratio on the inner compressor instance, not on KaraCompressor")
         if self.budget_tokens < 1 or self.window_tokens < 2 or self.chunk_tokens < 0 or self.recent_tokens < 0:
             raise ConfigError(
                 f"budget_tokens >= 1, window_tokens >= 2, chunk_tokens and recent_tokens >= 0 are needed, got "
@@ -72,6 +81,8 @@ class KaraCompressor(Compressor):
         self.document_compressor()  # validates compression_ratio against the inner compressor
 
     def document_compressor(self) -> Compressor:
+        if isinstance(self.inner, Compressor):
+            return self.inner
         from semanticache_rag.compressors import make_compressor
 
         return make_compressor(self.inner, self.compression_ratio)
