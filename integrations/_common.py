@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -55,7 +56,11 @@ class Runtime:
         return cls(engine, prompt_cache if prompt_cache is not None else PromptCache(engine))
 
 
-_RUNTIMES: dict[tuple, Runtime] = {}
+# Kept for reuse, least recently used dropped first; adapters keep their own runtime alive as long as they live.
+MAX_RUNTIMES = 8  # settings combinations
+MAX_MODELS = 2  # loaded models (each settings combination of the same model shares one)
+_RUNTIMES: OrderedDict[tuple, Runtime] = OrderedDict()
+_MODELS: OrderedDict[str | None, tuple] = OrderedDict()  # model -> (model, tokenizer, name)
 _RUNTIMES_LOCK = threading.Lock()
 
 
@@ -65,7 +70,9 @@ def shared_runtime(
     """The process-wide runtime for these settings, loading the model on first use.
 
     ``store``: ``False`` keeps document caches in memory only; ``True`` also on disk in the default
-    store directory (as the command line does); a path: in that directory.
+    store directory (as the command line does); a path: in that directory. Settings that differ
+    only in compression or store share one loaded model; the last :data:`MAX_RUNTIMES` settings
+    and :data:`MAX_MODELS` models are kept for reuse (an adapter keeps its own alive).
 
     Raises
     ------
@@ -75,18 +82,28 @@ def shared_runtime(
         The model cannot be loaded offline.
     """
     from semanticache_rag import Engine, make_compressor
-    from semanticache_rag.models import DEFAULT_MODEL
+    from semanticache_rag.models import DEFAULT_MODEL, load_model
 
     if model is not None and model.lower() in {DEFAULT_MODEL.lower(), "default"}:
         model = None  # the names Engine.from_pretrained treats as the default model: one load
     key = (model, compression, compression_ratio, store)
-    with _RUNTIMES_LOCK:  # one load per settings, also when threads race for it
-        if key not in _RUNTIMES:
-            from semanticache_rag.store import DocumentStore
+    with _RUNTIMES_LOCK:  # one load per model, also when threads race for it
+        if key in _RUNTIMES:
+            _RUNTIMES.move_to_end(key)
+            return _RUNTIMES[key]
+        from semanticache_rag.store import DocumentStore
 
-            compressor = make_compressor(compression, compression_ratio)
-            disk = None if store is False else DocumentStore(None if store is True else store)
-            _RUNTIMES[key] = Runtime.for_engine(Engine.from_pretrained(model, compressor=compressor, store=disk))
+        compressor = make_compressor(compression, compression_ratio)
+        if model not in _MODELS:
+            _MODELS[model] = load_model(model)
+        _MODELS.move_to_end(model)
+        hf_model, tokenizer, name = _MODELS[model]
+        disk = None if store is False else DocumentStore(None if store is True else store)
+        engine = Engine(hf_model, tokenizer, compressor=compressor, model_name=name, store=disk)
+        _RUNTIMES[key] = Runtime.for_engine(engine)
+        for kept, limit in ((_RUNTIMES, MAX_RUNTIMES), (_MODELS, MAX_MODELS)):
+            while len(kept) > limit:
+                kept.popitem(last=False)
         return _RUNTIMES[key]
 
 

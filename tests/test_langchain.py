@@ -368,3 +368,25 @@ def test_retriever_routes_to_sections_and_a_retrieval_chain_reuses_their_caches(
     }
     result = chain.invoke({"input": "Who holds the copyright?"})
     assert result["context"] and all("pages" in d.metadata for d in result["context"])
+
+
+def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, monkeypatch):
+    from semanticache_rag.integrations import _common
+
+    from semanticache_rag import models
+
+    monkeypatch.setattr(_common, "_RUNTIMES", _common.OrderedDict())
+    monkeypatch.setattr(_common, "_MODELS", _common.OrderedDict())
+    loads, real = [], models.load_model
+    monkeypatch.setattr(models, "load_model", lambda name: loads.append(name) or real(name))
+    plain = ChatSemantiCache(model=str(tiny_model_dir)).engine
+    squeezed = ChatSemantiCache(model=str(tiny_model_dir), compression="semanticache", compression_ratio=0.5).engine
+    assert plain.model is squeezed.model and loads == [str(tiny_model_dir)]
+    assert plain.compressor.name == "none" and squeezed.compressor.name == "semanticache"
+    engines = [  # many settings: the registry keeps the last few
+        ChatSemantiCache(model=str(tiny_model_dir), compression="streaming_llm", compression_ratio=r / 20).engine
+        for r in range(1, 12)
+    ]
+    assert (
+        len({id(e.model) for e in engines}) == 1 and len(_common._RUNTIMES) <= _common.MAX_RUNTIMES and len(loads) == 1
+    )

@@ -476,10 +476,12 @@ def test_prefix_resolution_and_removal(engine, document_text):
     assert engine.store.resolve(first[:12].upper()) == first
     with pytest.raises(StoreError, match="no cache entry"):
         engine.store.resolve("ffff" if not first.startswith("ffff") else "eeee")
-    common = os.path.commonprefix([first, second])
-    if len(common) >= 4:
-        with pytest.raises(StoreError, match="2 cache entries"):
-            engine.store.resolve(common)
+    twin = first[:6] + ("0" if first[6] != "0" else "1") + first[7:]  # an entry sharing first's 6 leading digits
+    (engine.store.directory / f"{twin}.json").write_text("{}")
+    with pytest.raises(StoreError, match="2 cache entries"):
+        engine.store.resolve(first[:6])
+    assert engine.store.resolve(first[:7]) == first
+    engine.store.remove(twin)
     assert engine.store.remove(first[:8]).id == first
     assert [e.id for e in engine.store.entries()] == [second]
     assert engine.store.clear()[0] == 1 and engine.store.entries() == []
