@@ -141,3 +141,24 @@ def test_kara_keeps_a_compressed_turn_2_fact_and_a_30_turn_chat_within_budget(en
     tail_tokens = answer.prompt_tokens - answer.document_tokens
     assert len(chat.turns) == 30 and tail_tokens > 10 * limit  # all 30 turns are in the prompt...
     assert tail_tokens - chat._compressed_tokens <= limit  # ...and all but the newest were compressed
+
+
+def test_a_fact_deep_in_a_32k_token_document_is_answered_from_the_cli(tmp_path, capsys):
+    """Longer than the model's 8K context: read in sections once, the question routed to the fact's section."""
+    import json
+    from pathlib import Path
+
+    from tests_support import NEEDLE, QUESTION
+
+    from semanticache_rag.cli import main
+
+    licences = ("GPL-3", "GPL-2", "LGPL-2.1", "MPL-2.0", "Apache-2.0", "GFDL-1.3")
+    text = "\n\n".join(Path("/usr/share/common-licenses", name).read_text() for name in licences)
+    cut = text.rfind("\n\n", 0, int(0.7 * len(text))) + 2
+    document = tmp_path / "licences.txt"
+    document.write_text(text[:cut] + NEEDLE.format(value="7351946") + "\n\n" + text[cut:])
+    args = ["ask", str(document), "-q", QUESTION, "--json", "--no-store", "--max-sections", "2"]
+    assert main([*args, "--max-new-tokens", "24"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["document_tokens"] < 8192 < 30_000 < answer["sections_total"] * 1024
+    assert "7351946" in answer["answer"] and answer["routing_matched"] and len(answer["sections"]) == 2

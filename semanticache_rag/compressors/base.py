@@ -1,9 +1,9 @@
 """The compressor contract: a document's per-layer keys/values in, one :class:`LayerKV` per layer out.
 
 A compressor is a dataclass that *is* its configuration (the kvpress pattern). After a
-document's prefill the engine calls :meth:`Compressor.compress_document` once; it runs
-:meth:`Compressor.prepare` on what all layers share (chunks, protected tokens) and then
-:meth:`Compressor.compress` per layer. The question is never seen (question-agnostic), so one
+document's prefill (or each section's, for a long document) the engine calls
+:meth:`Compressor.compress_cache` once; by default it runs :meth:`Compressor.prepare` on what all
+layers share (chunks, protected tokens) and then :meth:`Compressor.compress` per layer. The question is never seen (question-agnostic), so one
 compressed cache serves every later question.
 """
 
