@@ -181,13 +181,14 @@ def test_compression_buys_breadth_with_compact_positions(tiny_llama, tiny_tokeni
         assert chat.cache.positions + tail + answer.completion_tokens <= engine.context_length
         return len(answer.sections)
 
-    plain = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS)
+    plain = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, max_sections=None)
     squeezed = Engine(
         tiny_llama,
         tiny_tokenizer,
         model_name="tiny",
         section_tokens=SECTION_TOKENS,
         compressor=SemantiCacheCompressor(0.75),
+        max_sections=None,
     )
     full, compressed = plain.read(long_text, progress=False), squeezed.read(long_text, progress=False)
     uncompressed = sections_used(plain, full, "compact")

@@ -3,8 +3,8 @@
 A compressor is a dataclass that *is* its configuration (the kvpress pattern). After a
 document's prefill (or each section's, for a long document) the engine calls
 :meth:`Compressor.compress_cache` once; by default it runs :meth:`Compressor.prepare` on what all
-layers share (chunks, protected tokens) and then :meth:`Compressor.compress` per layer. The question is never seen (question-agnostic), so one
-compressed cache serves every later question.
+layers share (chunks, protected tokens) and then :meth:`Compressor.compress` per layer. The
+question is never seen (question-agnostic), so one compressed cache serves every later question.
 """
 
 from __future__ import annotations
