@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from benchmarks.report import environment
 from benchmarks.ruler_tasks import Context, build, score
 from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor
-from semanticache_rag.documents import document_from_text
+from semanticache_rag.documents import document_from_text, load_document
 from semanticache_rag.reading import compress_section, prefill_section, read_head
 from semanticache_rag.sections import SectionedCache, character_spans, plan_sections
 
@@ -45,9 +45,10 @@ def compressor(ratio: float):
     return NoCompression() if ratio == 0 else SemantiCacheCompressor(ratio)
 
 
-def read_sectioned(engine: Engine, text: str, ratios) -> tuple[dict[float, SectionedCache], dict]:
-    """One read of ``text`` as sections, compressed at every ratio; (caches by ratio, timings)."""
-    document = document_from_text(text)
+def read_sectioned(engine: Engine, source, ratios) -> tuple[dict[float, SectionedCache], dict]:
+    """One read of ``source`` (text, path or Document) as sections, compressed at every ratio;
+    (caches by ratio, timings)."""
+    document = load_document(source)
     ids, offsets, pages = engine.tokenize_document(document)
     ranges = plan_sections(document, offsets, engine.section_tokens)
     started = time.perf_counter()

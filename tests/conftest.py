@@ -13,6 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`pytest -n 2`, what CI runs) each worker gets its share of the cores: a small
+# model computes more per core in two one-thread processes than in one two-thread process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # and the examples and CLI runs they start
+
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
