@@ -55,4 +55,4 @@ def register_attention() -> str:
 
 def use_semanticache_attention(model: torch.nn.Module) -> None:
     """Route ``model``'s attention through :func:`semanticache_attention`."""
-    model.set_attn_implementation(register_attention())
+    model.set_attn_implementation(register_attention())  # type: ignore[operator]  # a PreTrainedModel method

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ class DocumentCache:
     compressor: str
     prefill_s: float
     compress_s: float
-    zoom: object | None = None
+    zoom: Any = None
     next_position: int | None = None
     selection: Selection | None = None
 

@@ -106,20 +106,23 @@ class Conversation:
     ----------
     document : DocumentCache or SectionedCache
         What was read.
-    cache : DocumentCache or None
+    cache : DocumentCache
         The cache the last turn was answered from (``document`` itself for a document read whole;
-        the spliced sections for a long one); ``None`` before the first turn.
+        the spliced sections for a long one); set by the first turn.
+    kv : ConversationKV
+        The working cache: ``cache`` and the tokens appended after it; set by the first turn.
     selection : Selection or None
-        Which parts of the document the last turn used.
+        Which parts of the document the last turn used; ``None`` before the first turn.
     """
+
+    cache: DocumentCache
+    kv: ConversationKV
 
     def __init__(self, engine, cache, **options):
         self.engine, self.document = engine, cache
         self.options = GenerationOptions(**options)
         self.turns: list[Turn] = []
-        self.cache: DocumentCache | None = None
         self.selection: Selection | None = None
-        self.kv: ConversationKV | None = None
         self._tail_ids: list[int] = []  # tokens in self.kv, after the document
         self.last_answer: Answer | None = None
         self._kara: KaraCompressor | None = None
@@ -130,6 +133,7 @@ class Conversation:
         """Answer ``question`` in this conversation and return the :class:`Answer`."""
         for _ in self.stream(question, **options):
             pass
+        assert self.last_answer is not None  # set when the stream ends
         return self.last_answer
 
     def stream(self, question: str, **options) -> Iterator[str]:
@@ -183,8 +187,9 @@ class Conversation:
         """Choose the parts of the document this turn needs; a new choice starts a new working cache."""
         engine = self.engine
         room = engine.context_length - tail_len - min(opts.max_new_tokens, engine.answer_reserve)
-        selection = self.document.select(engine, question, room, self.selection)
-        if self.cache is None or selection.sections != self.selection.sections:
+        previous = self.selection
+        selection = self.document.select(engine, question, room, previous)
+        if previous is None or selection.sections != previous.sections:
             self.cache = self.document.assemble(engine, selection)
             self.kv, self._tail_ids = ConversationKV(self.cache.layers), []
             self._compressed_tokens = self._squeezed = 0
@@ -235,6 +240,8 @@ class Conversation:
         (start, first), text = times, stream.text.strip()
         decode_s = time.perf_counter() - first
         cache_bytes = self.cache.nbytes if zoom is None else zoom.device_bytes
+        selection = self.selection
+        assert selection is not None  # chosen at the start of the turn
         self.turns.append(Turn(question, text))
         self.last_answer = Answer(
             question=question,
@@ -254,12 +261,12 @@ class Conversation:
             spans_expanded=0 if zoom is None else zoom.spans_expanded,
             tokens_reconstructed=0 if zoom is None else zoom.tokens_reconstructed,
             host_bytes=self.cache.host_nbytes,
-            conversation_bytes=sum(2 * layer.keys[:, :, : layer.length].nbytes for layer in self.kv.layers),
-            pages=self.selection.pages,
-            sections=self.selection.sections,
-            sections_total=self.selection.total_sections,
-            routing=self.selection.routing,
-            routing_matched=self.selection.matched,
+            conversation_bytes=sum(2 * int(layer.keys[:, :, : layer.length].nbytes) for layer in self.kv.layers),
+            pages=selection.pages,
+            sections=selection.sections,
+            sections_total=selection.total_sections,
+            routing=selection.routing,
+            routing_matched=selection.matched,
         )
 
     def _eos_ids(self) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +84,7 @@ class Sampler:
             self.processors.append(RepetitionPenaltyLogitsProcessor(options.repetition_penalty))
         if options.no_repeat_ngram_size > 0:
             self.processors.append(NoRepeatNGramLogitsProcessor(options.no_repeat_ngram_size))
-        self.warpers = [TemperatureLogitsWarper(options.temperature)] if not self.greedy else []
+        self.warpers: list = [TemperatureLogitsWarper(options.temperature)] if not self.greedy else []
         if not self.greedy and options.top_p < 1:
             self.warpers.append(TopPLogitsWarper(options.top_p))
         self.generator = torch.Generator(device=device)
@@ -92,7 +93,7 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: list[int] = ()) -> int:
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """``logits`` (V,) of the last position, ``history`` the answer's tokens so far -> token id."""
         if self.processors:
             ids = torch.tensor([list(history)], dtype=torch.long, device=logits.device)
@@ -194,7 +195,7 @@ class TextStream:
         self._decoder = DecodeStream(skip_special_tokens=True) if backend is not None else None
 
     def _decode(self, token_id: int) -> None:
-        if self._decoder is None:
+        if self._decoder is None or self._backend is None:
             self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             return
         piece = self._decoder.step(self._backend, token_id)
@@ -211,22 +212,22 @@ class TextStream:
                 self.text, self.stopped = self.text[:at], True
         hold = len(self.text)
         if self.guard is not None and not self.stopped:
-            hold = self._guard()
+            hold = self._guard(self.guard)
         if self.text.endswith("\ufffd") and not self.stopped:  # an incomplete multi-byte character
             return ""
         if not self.stopped:
             hold = min(hold, len(self.text) - max((len(s) - 1 for s in self.stop), default=0))
         return self._emit(hold)
 
-    def _guard(self) -> int:
+    def _guard(self, guard: LoopGuard) -> int:
         """Apply the loop guard; return how much of the text may be emitted now."""
-        repeat = self.guard.repeated_sentence(self.text)
-        run = self.guard.repeated_run(self.ids) if repeat is None else None
+        repeat = guard.repeated_sentence(self.text)
+        run = guard.repeated_run(self.ids) if repeat is None else None
         if repeat is not None or run is not None:
-            cut = repeat if repeat is not None else self._text_without_last(run)
+            cut = repeat if repeat is not None else self._text_without_last(run or 0)
             self.text, self.stopped, self.reason = self.text[: max(cut, self.emitted)], True, "repetition"
             return len(self.text)
-        held = self.guard.may_repeat(self.text)
+        held = guard.may_repeat(self.text)
         return len(self.text) if held is None else held
 
     def _text_without_last(self, tokens: int) -> int:

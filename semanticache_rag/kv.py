@@ -13,6 +13,7 @@ attends to its neighbour's cache. They expose the same ``keys``, ``values``, ``s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -277,6 +278,8 @@ class _AppendLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    keys: torch.Tensor  # type: ignore[assignment]  # set by lazy_initialization, before any read
+    values: torch.Tensor  # type: ignore[assignment]
 
     def __init__(self, document: LayerKV | None = None, capacity: int = 0):
         super().__init__()
@@ -342,6 +345,8 @@ class ConversationKV(Cache):
         Appended tokens to allocate room for up front.
     """
 
+    layers: list[_AppendLayer]  # type: ignore[assignment]
+
     def __init__(self, document_layers=None, num_layers: int = 0, capacity: int = 0):
         if document_layers is not None:
             num_layers = len(document_layers)
@@ -349,7 +354,7 @@ class ConversationKV(Cache):
         super().__init__(layers=[_AppendLayer(d, capacity) for d in docs])
         # Called by the attention function as observe(layer_idx, query, document_layer, scaling)
         # when set: lets a compressor score document entries against a question's queries.
-        self.observe = None
+        self.observe: Callable | None = None
         # Appended entries that precede the conversation's tokens (SeKV's rebuilt spans): kept by crop.
         self.prefix_length = 0
 

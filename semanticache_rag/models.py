@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def _convert_default_model(target: Path) -> None:
     logger.info("Converting %s to safetensors in %s (once)", gguf.name, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except ImportError as exc:
         raise ModelLoadError(f"Converting the default model needs gguf and accelerate: {exc}") from exc
     # Dequantised weights are plain tensors; drop the GGUF marker so they can be saved.
@@ -165,7 +166,7 @@ def load_model(name: str | os.PathLike[str] | None = None, device: str | None = 
     attn = register_attention()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", attn_implementation=attn)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", attn_implementation=attn)
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise ModelLoadError(
             f"Cannot load model {str(name)!r}: {str(exc).splitlines()[0]}. Pass a local directory or a "

@@ -69,6 +69,7 @@ class AnswerStream:
     def __iter__(self) -> Iterator[str]:
         yield from self._pieces
         answer = self._conversation.last_answer
+        assert answer is not None  # set when the conversation's stream ends
         # Tokens prefilled by this very call were created, not read, from the cache.
         self.answer = dataclasses.replace(
             answer,
@@ -183,6 +184,7 @@ class PromptCache:
         stream = self.stream(messages, **options)
         for _ in stream:
             pass
+        assert stream.answer is not None
         return stream.answer
 
     def _empty_cache(self):

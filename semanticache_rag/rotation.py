@@ -12,6 +12,8 @@ this way; dynamic scaling (``"dynamic"``, ``"longrope"``) is refused with a clea
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from semanticache_rag.errors import ConfigError
@@ -37,8 +39,8 @@ def rope_frequencies(model: torch.nn.Module) -> list[torch.Tensor]:
     ConfigError
         The model has no rotary embedding, or one whose frequencies change with the length.
     """
-    rotary = _rotary_module(model)
-    config = model.config
+    rotary: Any = _rotary_module(model)
+    config: Any = model.config
     layers = config.num_hidden_layers
     rope_type = getattr(rotary, "rope_type", "default")
     types = rope_type if isinstance(rope_type, dict) else {None: rope_type}

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -108,7 +110,7 @@ def section_positions(section: DocumentCache, compact: bool) -> int:
     return max(math.ceil(layer.num_entries / heads) for layer in section.layers)
 
 
-def splice_layers(parts: list[tuple[object, int]], inv_freq: torch.Tensor) -> LayerKV:
+def splice_layers(parts: Sequence[tuple[Any, int]], inv_freq: torch.Tensor) -> LayerKV:
     """One layer spliced from ``(layer, delta)`` parts: keys rotated by ``delta`` positions, in order.
 
     Coded (KV-Kaizen) parts are decoded: the spliced cache is a per-question working cache, at
@@ -342,7 +344,7 @@ class SectionedCache:
     def _spliced_zoom(self, chosen: list[int], deltas: list[int], inv_freqs: list[torch.Tensor]):
         """The chosen sections' zoom state (SeKV) joined for the spliced cache, or ``None``."""
         zooms = [self.sections[k].zoom for k in chosen]
-        first = next((zoom for zoom in zooms if zoom is not None), None)
+        first: Any = next((zoom for zoom in zooms if zoom is not None), None)
         if first is None:
             return None
         offsets, at = [], self.head.layers[0].keys.shape[2]

@@ -89,7 +89,10 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * 1024 ** " kmgt".index(match[2] or " "))
 
 
-def _held_nbytes(cache: DocumentCache) -> int:
+AnyCache = DocumentCache | SectionedCache  # what the store keeps: a document read whole, or in sections
+
+
+def _held_nbytes(cache: AnyCache) -> int:
     """Memory a cache holds: its tensors plus host-side zoom state (SeKV), where there is any."""
     return cache.nbytes + getattr(cache, "host_nbytes", 0)
 
@@ -151,7 +154,7 @@ class DocumentStore:
         self.disk_budget_bytes = _budget(disk_budget_bytes, "SEMANTICACHE_DISK_BUDGET", DEFAULT_DISK_BUDGET)
         self.lock_timeout_s = lock_timeout_s
         self.stats = StoreStats()
-        self._memory: OrderedDict[str, DocumentCache] = OrderedDict()
+        self._memory: OrderedDict[str, AnyCache] = OrderedDict()
         self._memory_lock = threading.Lock()
         self._ignored: set[str] = set()  # rejected entries that could not be deleted
         self._warned: set[str] = set()
@@ -174,7 +177,7 @@ class DocumentStore:
         """The key under which ``engine.read(document)`` (or a prompt prefix, see :class:`CacheKey`) is stored."""
         return CacheKey.for_read(engine, document, memo=self.directory / "weights.json", prompt=prompt)
 
-    def fetch(self, engine, document: Document, compute, prompt: str = "") -> DocumentCache | SectionedCache:
+    def fetch(self, engine, document: Document, compute, prompt: str = "") -> AnyCache:
         """The cache of ``document`` for ``engine``: from memory, from disk, else ``compute(sections)`` and store it.
 
         ``sections`` is where a long document's read keeps the sections it finished
@@ -215,7 +218,7 @@ class DocumentStore:
                 "SEMANTICACHE_DISK_BUDGET=20G), compress more (--ratio), or read without the store (--no-store)"
             )
 
-    def put(self, key: CacheKey, cache: DocumentCache | SectionedCache) -> None:
+    def put(self, key: CacheKey, cache: AnyCache) -> None:
         """Keep ``cache`` in memory and on disk (failures to write are logged, never raised)."""
         self._remember(key.id, cache)
         self._save(key, cache, SectionFiles(sections_folder(self.directory, key.id), cache.document, None))
@@ -228,7 +231,7 @@ class DocumentStore:
         with self._memory_lock:
             return sum(_held_nbytes(cache) for cache in self._memory.values())
 
-    def _remember(self, entry_id: str, cache: DocumentCache) -> None:
+    def _remember(self, entry_id: str, cache: AnyCache) -> None:
         with self._memory_lock:
             self._memory.pop(entry_id, None)
             if _held_nbytes(cache) > self.memory_budget_bytes:
@@ -238,7 +241,7 @@ class DocumentStore:
             while total > self.memory_budget_bytes:  # least recently used first; disk copies stay
                 total -= _held_nbytes(self._memory.popitem(last=False)[1])
 
-    def _from_memory(self, entry_id: str) -> DocumentCache | None:
+    def _from_memory(self, entry_id: str) -> AnyCache | None:
         with self._memory_lock:
             cache = self._memory.get(entry_id)
             if cache is not None:
@@ -274,6 +277,7 @@ class DocumentStore:
             manifest = json.loads(raw)
             check_manifest(manifest, key)
             data = tensors_path.read_bytes()
+            cache: AnyCache
             if "sections" in manifest:
                 folder = sections_folder(self.directory, entry_id)
                 cache = load_sectioned(manifest, data, folder, document, engine)
@@ -309,7 +313,7 @@ class DocumentStore:
         manifest_path, tensors_path = self._paths(key.id)
         if self.disk_budget_bytes == 0:
             return
-        head = cache.head if isinstance(cache, SectionedCache) else cache
+        head: DocumentCache = cache.head if isinstance(cache, SectionedCache) else cache
         try:
             data = save_tensors(cache_tensors(head))
         except (TypeError, ValueError, RuntimeError, AttributeError) as exc:

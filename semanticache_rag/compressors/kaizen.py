@@ -341,7 +341,7 @@ class KaizenCompressor(Compressor):
         if ratio is None and self.inner is not None:
             keys = keys_values[0][0]
             sizes = torch.ones(keys.shape[:3], dtype=torch.int16)  # what merged entries add
-            precisions = [o for o in ("int4", "int8", "fp16") if o in self.options]
+            precisions: list[str] = [o for o in ("int4", "int8", "fp16") if o in self.options]
             lowest = option_nbytes((precisions or ["fp"])[0], LayerKV(keys, keys, sizes), group)
             tokens = keys.shape[2]  # entries the lowest precision affords, rounded down
             ratio = max(0.0, 1 - math.floor(kept * 2 * keys.nbytes / lowest * tokens) / tokens)

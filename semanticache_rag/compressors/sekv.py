@@ -92,7 +92,8 @@ class SpanIndex:
 
     def reconstruct(self, selected: torch.Tensor, device, dtype):
         """Token-level keys and values of the ``selected`` entries, per layer: (L, H, T, D) each."""
-        keys, values = [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for width, entries, parts in zip(self.widths, self.entries, self.factors):
             chosen = torch.isin(entries, selected)
             if not chosen.any():
@@ -191,13 +192,17 @@ def zoomed_kv(cache, selected: torch.Tensor, rebuilt, host_bytes: int, tail_len:
     count = 0 if rebuilt is None else rebuilt[0].shape[2]
     masked = torch.ones(cache.layers[0].keys.shape[2], dtype=torch.bool)
     masked[selected] = False
-    layers = [LayerKV(layer.keys, layer.values, layer.sizes * masked.to(layer.sizes)) for layer in cache.layers]
+    layers = []
+    for layer in cache.layers:
+        sizes = layer.sizes if layer.sizes is not None else layer.keys.new_ones(layer.keys.shape[:3], dtype=torch.int16)
+        layers.append(LayerKV(layer.keys, layer.values, sizes * masked.to(sizes)))
     kv = ConversationKV(layers, capacity=count + tail_len + 256)
     if rebuilt is not None:
         for index, layer in enumerate(kv.layers):
             layer.update(rebuilt[0][index][None], rebuilt[1][index][None])
         kv.prefix_length = count
-    extra = sum(layer.sizes.nbytes for layer in layers) + (0 if rebuilt is None else rebuilt[0].nbytes * 2)
+    extra = sum(layer.nbytes - layer.keys.nbytes - layer.values.nbytes for layer in layers)  # the masked sizes
+    extra += 0 if rebuilt is None else rebuilt[0].nbytes * 2
     return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra, host_bytes)
 
 
@@ -326,6 +331,8 @@ class SeKVCompressor(Compressor):
                 f"the summary budget of {summary} entries per head does not cover the {int(whole.sum())} "
                 "template, sink and window tokens; lower compression_ratio, zoom_tokens or window_tokens"
             )
+        if context.surprisal is None:
+            raise ConfigError("SeKV needs token surprisal: prefill with surprisal=True")
         surprisal = context.surprisal.float()
         free = surprisal[~whole]
         threshold = free.mean() + self.anchor_std * free.std() if free.numel() > 1 else float("inf")
@@ -380,7 +387,7 @@ class SeKVCompressor(Compressor):
             offsets = torch.arange(width)
             rows = (plan.start[members, None] + offsets).clamp(max=plan.entry_of_token.numel() - 1)  # (S, W)
             valid = offsets[None, :] < plan.length[members, None]
-            parts = {}
+            parts: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
             for name, x in zip(("keys", "values"), stacked):
                 left, right = _factor(x[:, :, rows] * valid[None, None, :, :, None], self.rank, x.dtype)
                 # keep only real tokens of the per-token factor (the padding rows are zeros)
