@@ -20,7 +20,6 @@ compressed cache instead of reading the document again.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -30,8 +29,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-from safetensors.torch import save as save_tensors
 
 from semanticache_rag.cache import DocumentCache
 from semanticache_rag.documents import Document
@@ -51,6 +48,7 @@ from semanticache_rag.store_format import (
     load_cache,
     load_document_text,
     remove_leftovers,
+    write_tensors,
 )
 from semanticache_rag.store_key import CacheKey
 from semanticache_rag.store_sections import (
@@ -276,13 +274,12 @@ class DocumentStore:
         try:
             manifest = json.loads(raw)
             check_manifest(manifest, key)
-            data = tensors_path.read_bytes()
             cache: AnyCache
             if "sections" in manifest:
                 folder = sections_folder(self.directory, entry_id)
-                cache = load_sectioned(manifest, data, folder, document, engine)
+                cache = load_sectioned(manifest, tensors_path, folder, document, engine)
             else:
-                cache = load_cache(manifest, data, document, engine)
+                cache = load_cache(manifest, tensors_path, document, engine)
         except FileNotFoundError:
             if manifest_path.exists():
                 self._reject(entry_id, "its tensor file is missing")
@@ -315,22 +312,21 @@ class DocumentStore:
             return
         head: DocumentCache = cache.head if isinstance(cache, SectionedCache) else cache
         try:
-            data = save_tensors(cache_tensors(head))
+            tensors = cache_tensors(head)
         except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
             self._warn_once(f"save:{cache.compressor}", f"Cannot store caches of {cache.compressor}: {exc}")
             return
-        digest = hashlib.sha256(data).hexdigest()
-        if isinstance(cache, SectionedCache):
-            records = sectioned_records(cache, files, digest, len(data))
-            if records is None:  # a section could not be written
-                return
-        else:
-            records = cache_record(cache, digest, len(data))
-        manifest = build_manifest(cache, key, records)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            atomic_write(tensors_path, data)
-            atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+            digest, size = write_tensors(tensors_path, tensors)
+            if isinstance(cache, SectionedCache):
+                records = sectioned_records(cache, files, digest, size)
+                if records is None:  # a section could not be written
+                    tensors_path.unlink(missing_ok=True)
+                    return
+            else:
+                records = cache_record(cache, digest, size)
+            atomic_write(manifest_path, json.dumps(build_manifest(cache, key, records), indent=1).encode())
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tensors_path.unlink(missing_ok=True)

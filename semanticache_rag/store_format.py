@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from filelock import FileLock
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from semanticache_rag.cache import DocumentCache
 from semanticache_rag.documents import Document, Page, load_document
@@ -335,19 +335,54 @@ def check_manifest(manifest, key: CacheKey) -> None:
         raise EntryRejected(f"manifest is for another {', '.join(wrong) or 'key'}")
 
 
-def load_cache(manifest: dict, data: bytes, document: Document, engine) -> DocumentCache:
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in blocks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """Write ``tensors`` as safetensors at ``path`` (temporary file + rename); (SHA-256, bytes).
+
+    The tensors are written from their own memory, one after the other: saving an entry holds
+    no serialised copy of it.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        digest, size = file_sha256(Path(tmp)), os.path.getsize(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return digest, size
+
+
+def load_cache(manifest: dict, path: Path, document: Document, engine) -> DocumentCache:
     """Rebuild a :class:`DocumentCache` from its :func:`cache_record` (or a checked manifest that
-    holds one) and the tensor file's bytes.
+    holds one) and its tensor file, checked against the record's checksum first and then read one
+    tensor at a time (the file is never held in memory besides the tensors it holds).
 
     Raises
     ------
     EntryRejected
-        The bytes fail their checksum, or the record does not describe them (a format mismatch).
+        The file fails its checksum, or the record does not describe it (a format mismatch).
+    FileNotFoundError
+        The file is missing.
     """
     try:
-        if hashlib.sha256(data).hexdigest() != manifest["tensors"]["sha256"]:
-            raise EntryRejected(f"tensor file checksum mismatch ({len(data):,} bytes)")
-        return _rebuild(manifest, load_tensors(data), document, engine)
+        if file_sha256(path) != manifest["tensors"]["sha256"]:
+            raise EntryRejected(f"tensor file checksum mismatch ({path.stat().st_size:,} bytes)")
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+        return _rebuild(manifest, tensors, document, engine)
     except (KeyError, TypeError, IndexError, AttributeError) as exc:  # the manifest names what the file lacks
         raise EntryRejected(f"the manifest does not describe its tensors ({type(exc).__name__}: {exc})") from exc
 

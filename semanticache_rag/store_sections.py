@@ -12,13 +12,10 @@ removed after a while (:func:`~semanticache_rag.store_format.remove_leftovers`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 from pathlib import Path
-
-from safetensors.torch import save as save_tensors
 
 from semanticache_rag.documents import Document
 from semanticache_rag.sections import SectionedCache
@@ -29,6 +26,7 @@ from semanticache_rag.store_format import (
     cache_record,
     cache_tensors,
     load_cache,
+    write_tensors,
 )
 
 logger = logging.getLogger("semanticache_rag.store")
@@ -77,11 +75,10 @@ class SectionFiles:
         record_path, tensors_path = self._paths(k)
         try:
             record = json.loads(record_path.read_bytes())
-            data = tensors_path.read_bytes()
         except (OSError, ValueError):  # not written yet (or unreadable): read the section
             return None
         try:
-            section = load_cache(record, data, self.document, self.engine)
+            section = load_cache(record, tensors_path, self.document, self.engine)
         except (EntryRejected, *LOAD_ERRORS) as exc:
             logger.warning(
                 "Reading section %d of %s again: its stored copy is unusable (%s)", k, self.document.name, exc
@@ -95,12 +92,10 @@ class SectionFiles:
     def save(self, k: int, section) -> None:
         if not self.complete:
             return
-        data = save_tensors(cache_tensors(section))
-        record = cache_record(section, hashlib.sha256(data).hexdigest(), len(data))
         record_path, tensors_path = self._paths(k)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write(tensors_path, data)
+            record = cache_record(section, *write_tensors(tensors_path, cache_tensors(section)))
             atomic_write(record_path, json.dumps(record).encode())
         except OSError as exc:
             self.complete = False
@@ -130,7 +125,7 @@ class SectionRejected(EntryRejected):
         self.section = section
 
 
-def load_sectioned(manifest: dict, head_data: bytes, folder: Path, document: Document, engine) -> SectionedCache:
+def load_sectioned(manifest: dict, head_path: Path, folder: Path, document: Document, engine) -> SectionedCache:
     """Rebuild a :class:`SectionedCache` from its checked manifest.
 
     Raises
@@ -140,11 +135,11 @@ def load_sectioned(manifest: dict, head_data: bytes, folder: Path, document: Doc
     EntryRejected
         The head or the manifest is.
     """
-    head = load_cache(manifest["head"], head_data, document, engine)
+    head = load_cache(manifest["head"], head_path, document, engine)
     sections, spans = [], []
     for k, record in enumerate(manifest["sections"]):
         try:
-            sections.append(load_cache(record, (folder / f"{k}.safetensors").read_bytes(), document, engine))
+            sections.append(load_cache(record, folder / f"{k}.safetensors", document, engine))
         except FileNotFoundError as exc:
             raise SectionRejected(k, "missing") from exc
         except EntryRejected as exc:

@@ -701,3 +701,18 @@ def test_listing_reports_entries_and_bytes_removed_apart(tiny_llama, tiny_tokeni
     assert row["entries_removed"] == 0 and row["bytes_removed"] == pytest.approx(cache.bytes_removed)
     answer = engine.ask(cache, QUESTION, max_new_tokens=2)
     assert answer.entries_removed == 0 and answer.bytes_removed == pytest.approx(cache.bytes_removed)
+
+
+def test_entries_are_written_and_read_without_a_serialised_copy_in_memory(engine, document_text, monkeypatch):
+    """Tensors go to the file from their own memory and come back one at a time (no bytes of the whole entry)."""
+    import safetensors.torch
+
+    def whole_entry_in_memory(*args, **kwargs):
+        raise AssertionError("the entry was serialised in memory")
+
+    monkeypatch.setattr(safetensors.torch, "save", whole_entry_in_memory)
+    monkeypatch.setattr(safetensors.torch, "load", whole_entry_in_memory)
+    cache = engine.read(document_text, progress=False)
+    again = fresh(engine)
+    assert_same_cache(cache, again.read(document_text, progress=False))
+    assert again.store.stats.disk_hits == 1
