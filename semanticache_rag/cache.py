@@ -19,6 +19,29 @@ from semanticache_rag.kv import LayerKV
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """The shapes a model's caches have: what a stored cache is checked against when it is loaded.
+
+    Attributes
+    ----------
+    num_layers, kv_heads, head_dim : int
+    dtype : torch.dtype
+    device : torch.device
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def empty_layers(self) -> tuple[LayerKV, ...]:
+        """One layer of no entries, (1, H_kv, 0, D), per decoder layer."""
+        empty = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        return tuple(LayerKV(empty, empty) for _ in range(self.num_layers))
+
+
+@dataclass(frozen=True)
 class Selection:
     """Which parts of a document one turn is answered from.
 

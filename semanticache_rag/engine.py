@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from semanticache_rag.cache import DocumentCache
+from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.compressors import CompressionContext, Compressor, NoCompression
 from semanticache_rag.documents import Document, load_document
 from semanticache_rag.errors import ConfigError, ContextLengthError
-from semanticache_rag.kv import ConversationKV, LayerKV
+from semanticache_rag.kv import ConversationKV
 from semanticache_rag.prompts import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from semanticache_rag.rotation import rope_frequencies
 from semanticache_rag.sections import POSITIONS
@@ -328,14 +328,18 @@ class Engine:
         text = self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         return text.rstrip("\ufffd").strip()  # as answers do: an incomplete last character is dropped
 
-    def empty_cache(self) -> DocumentCache:
-        """A cache of no tokens, for prompts that hold no known document."""
+    @property
+    def spec(self) -> ModelSpec:
+        """The shapes, dtype and device of this model's caches."""
         config = self.model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        empty = torch.zeros(1, heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
-        layers = tuple(LayerKV(empty, empty) for _ in range(config.num_hidden_layers))
+        return ModelSpec(config.num_hidden_layers, heads, head_dim, self.model.dtype, self.device)
+
+    def empty_cache(self) -> DocumentCache:
+        """A cache of no tokens, for prompts that hold no known document."""
         none = torch.zeros(0, dtype=torch.long)
+        layers = self.spec.empty_layers()
         return DocumentCache(load_document("(empty)"), layers, none, none.int(), self.model_name, "none", 0.0, 0.0)
 
     def conversation(self, cache: DocumentCache, **options):

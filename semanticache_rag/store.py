@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from semanticache_rag.cache import DocumentCache
+from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.documents import Document
 from semanticache_rag.errors import ConfigError, StoreError
 from semanticache_rag.models import home_dir
@@ -189,10 +189,10 @@ class DocumentStore:
             with entry_lock(
                 self._lock_path(key.id), self.lock_timeout_s
             ):  # another process reading this document: wait for its entry
-                cache, intact = self._from_disk(key, document, engine)
+                cache, intact = self._from_disk(key, document, engine.spec)
                 if cache is None:
                     self.stats.misses += 1
-                    files = SectionFiles(sections_folder(self.directory, key.id), document, engine)
+                    files = SectionFiles(sections_folder(self.directory, key.id), document, engine.spec)
                     if self.disk_budget_bytes == 0 or not intact:
                         files.complete = False  # nothing of this read goes to disk
                     cache = compute(files)
@@ -256,7 +256,7 @@ class DocumentStore:
             raise ConfigError(f"invalid cache id {entry_id!r}: expected 64 hex digits")
         return self.directory / f"{entry_id}.json", self.directory / f"{entry_id}.safetensors"
 
-    def _from_disk(self, key: CacheKey, document: Document, engine):
+    def _from_disk(self, key: CacheKey, document: Document, spec: ModelSpec):
         """(cache or ``None``, whether the entry may be written): a cache that failed to load for a
         reason other than proven damage is kept on disk, and not overwritten by this process."""
         entry_id = key.id
@@ -277,9 +277,9 @@ class DocumentStore:
             cache: AnyCache
             if "sections" in manifest:
                 folder = sections_folder(self.directory, entry_id)
-                cache = load_sectioned(manifest, tensors_path, folder, document, engine)
+                cache = load_sectioned(manifest, tensors_path, folder, document, spec)
             else:
-                cache = load_cache(manifest, tensors_path, document, engine)
+                cache = load_cache(manifest, tensors_path, document, spec)
         except FileNotFoundError:
             if manifest_path.exists():
                 self._reject(entry_id, "its tensor file is missing")
@@ -289,7 +289,7 @@ class DocumentStore:
             self._ignored.discard(entry_id)
             with contextlib.suppress(OSError):
                 manifest_path.unlink(missing_ok=True)
-                SectionFiles(sections_folder(self.directory, entry_id), document, engine).remove(exc.section)
+                SectionFiles(sections_folder(self.directory, entry_id), document, spec).remove(exc.section)
             return None, True
         except (EntryRejected, json.JSONDecodeError) as exc:  # proven unusable: a bad checksum, format, key or shape
             self._reject(entry_id, str(exc) or type(exc).__name__)

@@ -38,7 +38,7 @@ from filelock import FileLock
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from semanticache_rag.cache import DocumentCache
+from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.documents import Document, Page, load_document
 from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
 
@@ -365,7 +365,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, in
     return digest, size
 
 
-def load_cache(manifest: dict, path: Path, document: Document, engine) -> DocumentCache:
+def load_cache(manifest: dict, path: Path, document: Document, spec: ModelSpec) -> DocumentCache:
     """Rebuild a :class:`DocumentCache` from its :func:`cache_record` (or a checked manifest that
     holds one) and its tensor file, checked against the record's checksum first and then read one
     tensor at a time (the file is never held in memory besides the tensors it holds).
@@ -382,19 +382,19 @@ def load_cache(manifest: dict, path: Path, document: Document, engine) -> Docume
             raise EntryRejected(f"tensor file checksum mismatch ({path.stat().st_size:,} bytes)")
         with safe_open(str(path), framework="pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
-        return _rebuild(manifest, tensors, document, engine)
+        return _rebuild(manifest, tensors, document, spec)
     except (KeyError, TypeError, IndexError, AttributeError) as exc:  # the manifest names what the file lacks
         raise EntryRejected(f"the manifest does not describe its tensors ({type(exc).__name__}: {exc})") from exc
 
 
-def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], document: Document, engine) -> DocumentCache:
+def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], document: Document, spec: ModelSpec) -> DocumentCache:
     tokens, num_layers = int(manifest["tokens"]), int(manifest["layers"])
     prefix_ids, token_pages = tensors.pop("prefix_ids"), tensors.pop("token_pages")
     if prefix_ids.shape != (tokens,) or token_pages.shape != (tokens,) or prefix_ids.dtype != torch.long:
         raise EntryRejected("prefix tokens do not match the manifest")
     if tokens and not -1 <= int(token_pages.min()) <= int(token_pages.max()) < document.total_pages:
         raise EntryRejected("token pages outside the document")
-    model_layers = engine.empty_cache().layers  # (1, H_kv, 0, D) each: the shapes this model attends with
+    model_layers = spec.empty_layers()  # (1, H_kv, 0, D) each: the shapes this model attends with
     if num_layers != len(model_layers):
         raise EntryRejected(f"{num_layers} layers, the model has {len(model_layers)}")
     storage = manifest.get("layer_storage")
@@ -402,7 +402,7 @@ def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], document: Documen
         raise EntryRejected("the manifest does not say how each layer is stored")
     layers: list = []
     for i, record in enumerate(storage):
-        layers.append(_layer(tensors, i, record, layers, model_layers[i].keys, engine.device))
+        layers.append(_layer(tensors, i, record, layers, model_layers[i].keys, spec.device))
     zoom = _zoom({k.removeprefix("zoom."): v for k, v in tensors.items() if k.startswith("zoom.")}, manifest)
     return DocumentCache(
         document,

@@ -17,6 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from semanticache_rag.cache import ModelSpec
 from semanticache_rag.documents import Document
 from semanticache_rag.sections import SectionedCache
 from semanticache_rag.store_format import (
@@ -58,8 +59,8 @@ class SectionFiles:
     False, so no manifest will name files that are not there.
     """
 
-    def __init__(self, folder: Path, document: Document, engine):
-        self.folder, self.document, self.engine = folder, document, engine
+    def __init__(self, folder: Path, document: Document, spec: ModelSpec | None):
+        self.folder, self.document, self.spec = folder, document, spec
         self.records: dict[int, dict] = {}
         self.complete = True
 
@@ -78,7 +79,9 @@ class SectionFiles:
         except (OSError, ValueError):  # not written yet (or unreadable): read the section
             return None
         try:
-            section = load_cache(record, tensors_path, self.document, self.engine)
+            if self.spec is None:
+                return None
+            section = load_cache(record, tensors_path, self.document, self.spec)
         except (EntryRejected, *LOAD_ERRORS) as exc:
             logger.warning(
                 "Reading section %d of %s again: its stored copy is unusable (%s)", k, self.document.name, exc
@@ -125,7 +128,9 @@ class SectionRejected(EntryRejected):
         self.section = section
 
 
-def load_sectioned(manifest: dict, head_path: Path, folder: Path, document: Document, engine) -> SectionedCache:
+def load_sectioned(
+    manifest: dict, head_path: Path, folder: Path, document: Document, spec: ModelSpec
+) -> SectionedCache:
     """Rebuild a :class:`SectionedCache` from its checked manifest.
 
     Raises
@@ -135,11 +140,11 @@ def load_sectioned(manifest: dict, head_path: Path, folder: Path, document: Docu
     EntryRejected
         The head or the manifest is.
     """
-    head = load_cache(manifest["head"], head_path, document, engine)
+    head = load_cache(manifest["head"], head_path, document, spec)
     sections, spans = [], []
     for k, record in enumerate(manifest["sections"]):
         try:
-            sections.append(load_cache(record, folder / f"{k}.safetensors", document, engine))
+            sections.append(load_cache(record, folder / f"{k}.safetensors", document, spec))
         except FileNotFoundError as exc:
             raise SectionRejected(k, "missing") from exc
         except EntryRejected as exc:
