@@ -75,7 +75,6 @@ def proportional_attention(
     doc_values: torch.Tensor | None = None,
     doc_log_sizes: torch.Tensor | None = None,
     scaling: float | None = None,
-    doc_lengths: torch.Tensor | None = None,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -84,7 +83,7 @@ def proportional_attention(
 
     Without a document, ``"auto"`` keeps torch: that is plain causal attention, SDPA's job.
     """
-    args = (query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes, scaling, doc_lengths)
+    args = (query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes, scaling)
     if backend == "auto" and (doc_keys is None or doc_keys.shape[2] == 0):
         backend = "torch"
     if resolve_backend(backend, query) == "torch":

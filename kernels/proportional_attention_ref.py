@@ -32,7 +32,6 @@ def proportional_attention(
     doc_values: torch.Tensor | None = None,
     doc_log_sizes: torch.Tensor | None = None,
     scaling: float | None = None,
-    doc_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``query`` to a document cache and to the appended tokens.
 
@@ -45,13 +44,10 @@ def proportional_attention(
     doc_keys, doc_values : Tensor (B, H_kv, L, D), optional
         Document entries, visible to every query.
     doc_log_sizes : Tensor (B, H_kv, L), optional
-        ``log s`` per document entry (``-inf`` for padding); ``None`` means every entry is one
-        token.
+        ``log s`` per document entry (``-inf`` for the padding of ragged heads); ``None`` means
+        every entry is one token.
     scaling : float, optional
         Logit scale, ``D ** -0.5`` by default.
-    doc_lengths : Tensor (B, H_kv) int, optional
-        Entries per head when heads are ragged: entries at or past a head's length are ignored
-        (as if their log size were ``-inf``); ``None`` means all ``L``.
 
     Returns
     -------
@@ -73,9 +69,6 @@ def proportional_attention(
     doc_scores = torch.matmul(q, doc_keys.transpose(-1, -2)).float() * scaling
     if doc_log_sizes is not None:
         doc_scores = doc_scores + doc_log_sizes[:, :, None, :].float()
-    if doc_lengths is not None:
-        past_end = torch.arange(doc_keys.shape[2], device=query.device) >= doc_lengths[:, :, None, None]
-        doc_scores = doc_scores.masked_fill(past_end, float("-inf"))
     new_scores = torch.matmul(q, new_keys.transpose(-1, -2)).float() * scaling
     new_scores = new_scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
     # -- one softmax over both segments, so the document and the new tokens compete fairly

@@ -28,19 +28,18 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _segment_kernel(
-    q_ptr, k_ptr, v_ptr, bias_ptr, lengths_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bias_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_qq,  # query (B, H, Q, D)
     stride_kb, stride_kh, stride_kn,  # keys (B, H_kv, N, D)
     stride_vb, stride_vh, stride_vn,  # values (B, H_kv, N, D)
     stride_bb, stride_bh, stride_bn,  # log sizes (B, H_kv, N)
-    stride_lb, stride_lh,  # lengths (B, H_kv)
     stride_pbh, stride_ps, stride_pm,  # partial outputs (B * H_kv, splits, rows, D)
     stride_lse_bh, stride_lse_s,  # partial log-sum-exps (B * H_kv, splits, rows)
     num_kv_heads, num_queries, num_entries, split_size, split_offset, causal_offset,
     qk_scale,  # scaling * log2(e): the softmax runs in base 2
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LENGTHS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
@@ -59,12 +58,9 @@ def _segment_kernel(
     q_ptrs = q_ptr + batch * stride_qb + heads[:, None] * stride_qh + q_index[:, None] * stride_qq + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
 
-    # -- entries of this split: [start, stop), cut at the head's length when the heads are ragged
-    end = num_entries
-    if HAS_LENGTHS:
-        end = tl.minimum(end, tl.load(lengths_ptr + batch * stride_lb + kv_head * stride_lh))
+    # -- entries of this split: [start, stop) (ragged heads are padded, their padding's bias is -inf)
     start = pid_split * split_size
-    stop = tl.minimum(start + split_size, end)
+    stop = tl.minimum(start + split_size, num_entries)
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
 
@@ -161,7 +157,7 @@ _segment_kernel_tuned = triton.autotune(
         for warps in (4, 8)
         for stages in (2, 3)
     ],
-    key=["GROUP", "HEAD_DIM", "BLOCK_M", "HAS_BIAS", "HAS_LENGTHS", "CAUSAL"],
+    key=["GROUP", "HEAD_DIM", "BLOCK_M", "HAS_BIAS", "CAUSAL"],
 )(_segment_kernel)
 
 
@@ -189,7 +185,6 @@ class _Segment:
     keys: torch.Tensor
     values: torch.Tensor
     bias: torch.Tensor | None
-    lengths: torch.Tensor | None
     causal: bool
 
 
@@ -218,7 +213,7 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     return {"DOT_PRECISION": "ieee" if exact else "tf32", "DOT_DTYPE": tl.float32}
 
 
-def _check(query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes, doc_lengths) -> None:
+def _check(query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes) -> None:
     batch, heads, num_queries, dim = query.shape
     assert query.dtype in _DTYPES, f"query dtype {query.dtype} not in {_DTYPES}"
     kv_heads, num_new = new_keys.shape[1], new_keys.shape[2]
@@ -233,9 +228,7 @@ def _check(query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes, doc
         if doc_log_sizes is not None:
             assert doc_log_sizes.shape == shape[:3], f"doc_log_sizes must be {shape[:3]}"
             assert doc_log_sizes.is_floating_point(), "doc_log_sizes must be a float tensor"
-        if doc_lengths is not None:
-            assert doc_lengths.shape == shape[:2] and not doc_lengths.is_floating_point(), "doc_lengths: (B, H_kv) int"
-    for t in tensors + [x for x in (doc_log_sizes, doc_lengths) if x is not None]:
+    for t in tensors + ([doc_log_sizes] if doc_log_sizes is not None else []):
         assert t.device == query.device, f"device mismatch: {t.device} vs query {query.device}"
     for t in tensors:
         assert t.dtype == query.dtype, f"dtype mismatch: {t.dtype} vs query {query.dtype}"
@@ -250,7 +243,6 @@ def proportional_attention(
     doc_values: torch.Tensor | None = None,
     doc_log_sizes: torch.Tensor | None = None,
     scaling: float | None = None,
-    doc_lengths: torch.Tensor | None = None,
     *,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -260,17 +252,17 @@ def proportional_attention(
     uses ``DecodeConfig()``. Returns (B, Q, H, D) in the query's dtype.
     """
     if doc_keys is not None and doc_keys.shape[2] == 0:
-        doc_keys = doc_values = doc_log_sizes = doc_lengths = None
-    _check(query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes, doc_lengths)
+        doc_keys = doc_values = doc_log_sizes = None
+    _check(query, new_keys, new_values, doc_keys, doc_values, doc_log_sizes)
     batch, heads, num_queries, dim = query.shape
     kv_heads = new_keys.shape[1]
     if config is None and interpreting():
         config = DecodeConfig()
     block_m = max(16, min(64, triton.next_power_of_2(heads // kv_heads * num_queries)))
     row_blocks = triton.cdiv(heads // kv_heads * num_queries, block_m)
-    segments = [_Segment(new_keys, new_values, None, None, causal=True)]
+    segments = [_Segment(new_keys, new_values, None, causal=True)]
     if doc_keys is not None and doc_values is not None:
-        segments.insert(0, _Segment(doc_keys, doc_values, doc_log_sizes, doc_lengths, causal=False))
+        segments.insert(0, _Segment(doc_keys, doc_values, doc_log_sizes, causal=False))
     sizes = [_split_size(s.keys.shape[2], batch * kv_heads * row_blocks, query.device, config) for s in segments]
     counts = [triton.cdiv(s.keys.shape[2], size) for s, size in zip(segments, sizes)]
     part_out = torch.empty(batch * kv_heads, sum(counts), row_blocks * block_m, dim, device=query.device)
@@ -296,20 +288,20 @@ def proportional_attention(
 
 def _launch_segment(grid, segment, query, part_out, part_lse, split_size, split_offset, scale, common, config):
     """Phase 1 over one segment: partial outputs at splits ``split_offset ...`` of the buffers."""
-    keys, values, bias, lengths = segment.keys, segment.values, segment.bias, segment.lengths
+    keys, values, bias = segment.keys, segment.values, segment.bias
     num_queries, num_entries = query.shape[2], keys.shape[2]
     # fmt: off
     args = (
-        query, keys, values, bias if bias is not None else keys, lengths if lengths is not None else keys,
+        query, keys, values, bias if bias is not None else keys,
         part_out, part_lse,
         *query.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-        *(bias.stride() if bias is not None else (0, 0, 0)), *(lengths.stride() if lengths is not None else (0, 0)),
+        *(bias.stride() if bias is not None else (0, 0, 0)),
         *part_out.stride()[:3], *part_lse.stride()[:2],
         query.shape[1] // common["GROUP"], num_queries, num_entries, split_size, split_offset,
         num_entries - num_queries, scale,
     )
     # fmt: on
-    flags = dict(HAS_BIAS=bias is not None, HAS_LENGTHS=lengths is not None, CAUSAL=segment.causal, **common)
+    flags = dict(HAS_BIAS=bias is not None, CAUSAL=segment.causal, **common)
     flags.update(_dot_flags(query.dtype))
     if config is None:
         _segment_kernel_tuned[grid](*args, **flags)

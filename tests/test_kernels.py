@@ -42,7 +42,8 @@ def gpu(test):
 
 
 def decode_inputs(batch, heads, kv_heads, q_len, t_len, l_len, dim, dtype, device="cpu", seed=0):
-    """Random query, appended and document K/V, log sizes (with -inf padding) and ragged lengths."""
+    """Random query, appended and document K/V, and log sizes with -inf padding: zero-size entries
+    inside, and ragged heads padded at the end (what a compressed cache's heads look like)."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -50,6 +51,7 @@ def decode_inputs(batch, heads, kv_heads, q_len, t_len, l_len, dim, dtype, devic
 
     sizes = torch.randint(0, 5, (batch, kv_heads, l_len), generator=g).float()  # 0: padding
     lengths = torch.randint(l_len // 2, l_len + 1, (batch, kv_heads), generator=g)
+    sizes[torch.arange(l_len) >= lengths[:, :, None]] = 0  # each head's own length
     return dict(
         query=randn(batch, heads, q_len, dim),
         new_keys=randn(batch, kv_heads, t_len, dim),
@@ -57,7 +59,6 @@ def decode_inputs(batch, heads, kv_heads, q_len, t_len, l_len, dim, dtype, devic
         doc_keys=randn(batch, kv_heads, l_len, dim),
         doc_values=randn(batch, kv_heads, l_len, dim),
         doc_log_sizes=sizes.log().to(device),
-        doc_lengths=lengths.to(device),
     )
 
 
@@ -209,14 +210,14 @@ def test_decode_kernel_matches_torch_twin(heads, kv_heads, q_len, t_len, dim, dt
 @interpret
 def test_decode_kernel_without_document_and_with_uniform_lengths():
     inputs = decode_inputs(1, 8, 2, 3, 6, 0, 64, torch.float32)
-    for name in ("doc_keys", "doc_values", "doc_log_sizes", "doc_lengths"):
+    for name in ("doc_keys", "doc_values", "doc_log_sizes"):
         inputs[name] = None
     kernel_error, torch_error = errors_vs_fp64(
         lambda **i: dispatch.proportional_attention(**i, backend="triton"), inputs
     )
     assert kernel_error <= 2 * torch_error + 1e-6, (kernel_error, torch_error)
     inputs = decode_inputs(1, 8, 2, 1, 1, 77, 64, torch.float32)
-    inputs["doc_log_sizes"], inputs["doc_lengths"] = None, None
+    inputs["doc_log_sizes"] = None
     kernel_error, torch_error = errors_vs_fp64(
         lambda **i: dispatch.proportional_attention(**i, backend="triton"), inputs
     )
@@ -227,8 +228,8 @@ def test_decode_kernel_without_document_and_with_uniform_lengths():
 def test_decode_kernel_duplicates_equal_one_entry_with_log_size():
     inputs = decode_inputs(1, 9, 3, 1, 1, 5, 64, torch.float32, seed=3)
     sizes = torch.tensor([1, 4, 2, 7, 3])
-    merged = dict(inputs, doc_log_sizes=sizes.float().log().expand(1, 3, 5), doc_lengths=None)
-    expanded = dict(inputs, doc_log_sizes=None, doc_lengths=None)
+    merged = dict(inputs, doc_log_sizes=sizes.float().log().expand(1, 3, 5))
+    expanded = dict(inputs, doc_log_sizes=None)
     expanded["doc_keys"] = inputs["doc_keys"].repeat_interleave(sizes, 2)
     expanded["doc_values"] = inputs["doc_values"].repeat_interleave(sizes, 2)
     run = dispatch.proportional_attention

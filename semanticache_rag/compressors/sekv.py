@@ -56,7 +56,6 @@ class ZoomInfo:
     spans_expanded: int
     tokens_reconstructed: int
     device_bytes: int
-    host_bytes: int
 
 
 @dataclass(eq=False)
@@ -125,7 +124,7 @@ class SpanIndex:
         """A working cache for ``tail`` with the spans it needs rebuilt at token level."""
         selected = self.select(self.scores(engine, cache, tail), self.zoom_tokens)
         rebuilt = self.reconstruct(selected, engine.device, cache.layers[0].keys.dtype)
-        return zoomed_kv(cache, selected, rebuilt, self.nbytes, len(tail))
+        return zoomed_kv(cache, selected, rebuilt, len(tail))
 
     @classmethod
     def join(cls, parts, inv_freqs) -> SplicedSpans:
@@ -187,7 +186,7 @@ def select_spans(scores: torch.Tensor, length: torch.Tensor, budget: int) -> tor
     return torch.tensor(chosen, dtype=torch.long)
 
 
-def zoomed_kv(cache, selected: torch.Tensor, rebuilt, host_bytes: int, tail_len: int):
+def zoomed_kv(cache, selected: torch.Tensor, rebuilt, tail_len: int):
     """The working cache with ``selected`` summary entries masked and their ``rebuilt`` tokens in front of the tail."""
     count = 0 if rebuilt is None else rebuilt[0].shape[2]
     masked = torch.ones(cache.layers[0].keys.shape[2], dtype=torch.bool)
@@ -203,7 +202,7 @@ def zoomed_kv(cache, selected: torch.Tensor, rebuilt, host_bytes: int, tail_len:
         kv.prefix_length = count
     extra = sum(layer.nbytes - layer.keys.nbytes - layer.values.nbytes for layer in layers)  # the masked sizes
     extra += 0 if rebuilt is None else rebuilt[0].nbytes * 2
-    return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra, host_bytes)
+    return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra)
 
 
 @dataclass(eq=False)
@@ -238,7 +237,7 @@ class SplicedSpans:
                 )
                 values.append(rebuilt[1])
         rebuilt = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
-        return zoomed_kv(cache, selected, rebuilt, self.nbytes, len(tail))
+        return zoomed_kv(cache, selected, rebuilt, len(tail))
 
 
 def _factor(rows: torch.Tensor, rank: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
