@@ -72,14 +72,31 @@ def test_semanticache_keeps_the_planted_fact(engine, planted_prefill, ratio):
     assert expected in engine.ask(cache, question, max_new_tokens=32).answer
 
 
-def test_bundled_pdf_end_to_end(engine):
+@pytest.fixture(scope="module")
+def cyrguide(engine):
     from importlib import resources
 
     with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
-        cache = engine.read(pdf, progress=False)
-    assert cache.document.total_pages == 7 and cache.token_pages.max() == 6
-    answer = engine.ask(cache, "What is the latest version of the LH fonts?", max_new_tokens=24)
-    assert "3.20" in answer.answer
+        return engine.read(pdf, progress=False)
+
+
+def test_bundled_pdf_end_to_end(engine, cyrguide):
+    assert cyrguide.document.total_pages == 7 and cyrguide.token_pages.max() == 6
+    answer = engine.ask(cyrguide, "What is the latest version of the LH fonts?", max_new_tokens=24)
+    assert "3.20" in answer.answer and answer.pages == tuple(p.label for p in cyrguide.document.pages)
+
+
+def test_chat_answers_end_after_their_fact_instead_of_looping(engine, cyrguide):
+    """The reported session: each answer gave its sentence, then repeated it until max_new_tokens."""
+    chat = engine.conversation(cyrguide, max_new_tokens=128)
+    for question, fact in (
+        ("Which RFC specifies koi8-r?", "1489"),
+        ("What is the latest version of the LH fonts?", "3.20"),
+    ):
+        answer = chat.ask(question)
+        sentences = [s.strip() for s in answer.answer.replace("\n", ". ").split(". ") if len(s.strip()) > 11]
+        assert fact in answer.answer and len(sentences) == len(set(sentences)), answer.answer
+        assert answer.finish_reason in ("stop", "repetition") and answer.completion_tokens < 128
 
 
 def test_sekv_expanding_every_span_answers_as_the_full_cache(engine, planted_prefill, planted):
