@@ -303,3 +303,26 @@ def test_document_engines_over_the_demo_pdf(real_llm):
     turn = chat.chat("What is the latest version of the LH fonts?")
     follow = chat.chat("Which RFC specifies koi8-r?")
     assert "3.20" in turn.response and follow.metadata["cached_tokens"] > length
+
+
+def test_retrieved_nodes_are_spliced_from_their_caches(llm, llm_usage):
+    """A retriever-based query engine (top-2 of 6 nodes, by a mock embedding): registered nodes found in
+    the prompt, in any order, come from their caches; only the ones not seen before are prefilled."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
+
+    text = corpus_text()
+    nodes = [
+        LIDocument(text=text[i : i + 600].strip(), metadata={"page_label": str(i // 600 + 1)})
+        for i in range(0, 3600, 600)
+    ]
+    llm.register_document(nodes)
+    index = VectorStoreIndex.from_documents(nodes, embed_model=MockEmbedding(embed_dim=8))
+    query_engine = index.as_query_engine(llm=llm, similarity_top_k=2, response_mode="compact")
+    first = query_engine.query("Who may copy it?")
+    second = query_engine.query("Who may copy it?")
+    assert len(first.source_nodes) == 2
+    assert llm_usage[0]["cache_creation_tokens"] > 200 and llm_usage[0]["cached_tokens"] == 0
+    assert llm_usage[1]["cache_creation_tokens"] == 0
+    assert llm_usage[1]["cached_tokens"] == llm_usage[0]["cache_creation_tokens"]
+    assert str(second) == str(first)
