@@ -28,7 +28,7 @@ def _engine(args):
     compressor = make_compressor(args.compression, args.ratio)
     started = time.perf_counter()
     store = None if args.no_store else _store(args)
-    layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections or None}
+    layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections or None, "routing": args.routing}
     engine = Engine.from_pretrained(args.model, compressor=compressor, store=store, **layout)
     if not args.json:
         print(f"Loaded {engine.model_name} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
@@ -318,6 +318,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="most sections of a long document per question; 0: as many as fit the context (default: 2)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("bm25", "attention", "hybrid"),
+        default="bm25",
+        help="how a long document's sections are chosen per question (default: bm25)",
     )
     p.add_argument("--no-store", action="store_true", help="read the document afresh; keep no cache on disk")
     _add_store_option(p)

@@ -20,7 +20,7 @@ from semanticache_rag.errors import ConfigError, ContextLengthError
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.prompts import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from semanticache_rag.rotation import rope_frequencies
-from semanticache_rag.sections import POSITIONS
+from semanticache_rag.sections import POSITIONS, ROUTINGS
 
 if TYPE_CHECKING:
     from semanticache_rag.sections import SectionedCache
@@ -69,6 +69,9 @@ class Engine:
         How a long document's sections are placed per question: ``"compact"`` (each starts where
         the previous one's entries end, so compressed sections take fewer positions) or
         ``"contiguous"``.
+    routing : str
+        How a long document's sections are ranked per question: ``"bm25"`` (lexical), ``"attention"``
+        (the model's attention to section summaries) or ``"hybrid"`` (both, rank-fused).
     max_sections : int or None
         Most sections of a long document per question; ``None``: as many as fit the context. The
         default, 2, is what the default 135M model answers best from: on RULER-style haystacks of
@@ -90,6 +93,7 @@ class Engine:
         section_tokens: int = 1024,
         positions: str = "compact",
         max_sections: int | None = 2,
+        routing: str = "bm25",
     ):
         if prefill_chunk < 1 or answer_reserve < 0 or section_tokens < 16:
             raise ConfigError(
@@ -98,6 +102,8 @@ class Engine:
             )
         if positions not in POSITIONS or (max_sections is not None and max_sections < 1):
             raise ConfigError(f"positions must be one of {POSITIONS} and max_sections >= 1 or None")
+        if routing not in ROUTINGS:
+            raise ConfigError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         self.model, self.tokenizer = model, tokenizer
         self.compressor = compressor or NoCompression()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -105,6 +111,7 @@ class Engine:
         self.prefill_chunk, self.answer_reserve = prefill_chunk, answer_reserve
         self.store = store
         self.section_tokens, self.positions, self.max_sections = section_tokens, positions, max_sections
+        self.routing = routing
         self._lock = threading.Lock()
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"

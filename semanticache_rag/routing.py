@@ -1,13 +1,17 @@
-"""Which sections of a long document a question needs: lexical routing with BM25.
+"""Which sections of a long document a question needs.
 
-BM25 (Robertson and Zaragoza 2009) over the sections' text, from ``bm25s`` (numpy only; the
-library LlamaIndex's BM25 retriever uses). Indexing a 150K-token document's ~150 sections takes
-milliseconds, so the index is built when a sectioned cache is first asked, never stored.
+- ``bm25``: BM25 (Robertson and Zaragoza 2009) over the sections' text, from ``bm25s`` (numpy
+  only; the library LlamaIndex's BM25 retriever uses). Indexing a 150K-token document's ~150
+  sections takes milliseconds, so the index is built when a sectioned cache is first asked.
+- ``attention``: the model's own attention from the question to a summary of every section
+  (:class:`AttentionRouter`), one forward pass over the question's tokens.
+- ``hybrid``: the two rankings fused (reciprocal rank fusion).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 class BM25Router:
@@ -41,3 +45,77 @@ class BM25Router:
 def ranking(scores: np.ndarray) -> list[int]:
     """Section indices by score, best first; ties in document order."""
     return sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+
+
+def summarise(layer, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One summary entry per ``window`` entries of a layer: size-weighted mean keys and values (1, H, E, D)
+    and the sizes they stand for (1, H, E) (exact for duplicates, as semantic cores are)."""
+    keys, values = layer.keys.float(), layer.values.float()
+    sizes = layer.sizes.float() if layer.sizes is not None else keys.new_ones(keys.shape[:3])
+    count = -(-keys.shape[2] // window)
+    pad = count * window - keys.shape[2]
+    sizes = torch.nn.functional.pad(sizes, (0, pad)).unflatten(2, (count, window))  # (1, H, E, W)
+    total = sizes.sum(-1)
+    weights = (sizes / total.clamp(min=1)[..., None])[..., None]
+    means = [
+        (torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(2, (count, window)) * weights).sum(3)
+        for x in (keys, values)
+    ]
+    return means[0].to(layer.keys.dtype), means[1].to(layer.values.dtype), total
+
+
+class AttentionRouter:
+    """Scores sections by the attention the question gives their summaries (SeKV's zoom scoring).
+
+    Every ``window`` entries of a section become one summary entry (mean key and value, bias
+    ``log`` of the tokens it stands for); the question runs once over the prompt head and every
+    section's summary (each at its own positions, as it was read); a section scores the largest
+    attention one of its entries gets (max over heads and question tokens, summed over layers).
+    """
+
+    name = "attention"
+
+    def __init__(self, head, sections, window: int = 64):
+        from semanticache_rag.kv import LayerKV
+
+        self.size, layers = len(sections), []
+        for i, head_layer in enumerate(head.layers):
+            parts = [summarise(section.layers[i], window) for section in sections]
+            keys = torch.cat([head_layer.keys] + [p[0] for p in parts], 2)
+            values = torch.cat([head_layer.values] + [p[1] for p in parts], 2)
+            ones = keys.new_ones(head_layer.keys.shape[:3], dtype=torch.float32)
+            sizes = torch.cat([ones] + [p[2] for p in parts], 2)
+            layers.append(LayerKV(keys, values, sizes.round().to(torch.int32)))
+        counts = [head.length] + [-(-section.layers[0].keys.shape[2] // window) for section in sections]
+        self.owners = torch.repeat_interleave(torch.arange(-1, len(sections)), torch.tensor(counts))  # -1: the head
+        self.layers = tuple(layers)
+        self.start = head.length + max(section.length for section in sections)
+
+    def scores(self, engine, tail: list[int]) -> np.ndarray:
+        """Score of every section (S,) for the question's tokens ``tail``."""
+        from semanticache_rag.kv import ConversationKV
+
+        total = torch.zeros(self.owners.numel())
+
+        def observe(layer_idx, query, document, scaling):
+            batch, heads, _, dim = query.shape
+            q = query.reshape(batch, document.keys.shape[1], -1, dim)
+            logits = (q @ document.keys.transpose(-1, -2)).float() * scaling + document.log_sizes[:, :, None, :]
+            total.add_(torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu())
+
+        kv = ConversationKV(self.layers)
+        kv.observe = observe
+        engine.forward(kv, tail, self.start)
+        best = torch.full((self.size,), 0.0)
+        mask = self.owners >= 0
+        best.scatter_reduce_(0, self.owners[mask], total[mask], reduce="amax")
+        return best.numpy()
+
+
+def fused_ranking(*score_lists: np.ndarray, k: int = 60) -> list[int]:
+    """Reciprocal rank fusion (Cormack et al. 2009) of several scorings, best first."""
+    fused = np.zeros(len(score_lists[0]))
+    for scores in score_lists:
+        for rank, index in enumerate(ranking(scores)):
+            fused[index] += 1 / (k + rank + 1)
+    return ranking(fused)

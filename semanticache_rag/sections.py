@@ -34,10 +34,12 @@ from semanticache_rag.cache import DocumentCache, Selection, page_labels
 from semanticache_rag.documents import Document
 from semanticache_rag.errors import ConfigError, ContextLengthError
 from semanticache_rag.kv import LayerKV
+from semanticache_rag.prompts import Turn
 from semanticache_rag.rotation import rotate_keys
-from semanticache_rag.routing import BM25Router, ranking
+from semanticache_rag.routing import AttentionRouter, BM25Router, fused_ranking, ranking
 
 POSITIONS = ("compact", "contiguous")
+ROUTINGS = ("bm25", "attention", "hybrid")
 
 # -- where sections end ---------------------------------------------------------------------
 
@@ -245,8 +247,23 @@ class SectionedCache:
 
     @cached_property
     def router(self) -> BM25Router:
-        """The routing index over the sections' text (built on first use, milliseconds)."""
+        """The lexical routing index over the sections' text (built on first use, milliseconds)."""
         return BM25Router([self.document.text[a:b] for a, b in self.spans])
+
+    @cached_property
+    def attention_router(self) -> AttentionRouter:
+        """Summaries of every section for the model's own routing (built on first use)."""
+        return AttentionRouter(self.head, self.sections)
+
+    def ranking(self, engine, question: str) -> tuple[list[int], bool]:
+        """Sections best first for ``question`` by ``engine.routing``, and whether any shares a word with it."""
+        lexical = self.router.scores(question)
+        matched = bool(lexical.max() > 0)
+        if engine.routing == "bm25":
+            return ranking(lexical), matched
+        tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
+        model = self.attention_router.scores(engine, tail)
+        return (ranking(model) if engine.routing == "attention" else fused_ranking(lexical, model)), matched
 
     @cached_property
     def _extents(self) -> dict[bool, list[int]]:
@@ -292,14 +309,11 @@ class SectionedCache:
         conversation (as many as still fit), else takes the first sections; either way ``matched``
         is False.
         """
-        scores = self.router.scores(question)
-        matched = bool(scores.max() > 0)
+        order, matched = self.ranking(engine, question)
         if not matched and previous is not None and previous.total_sections == len(self.sections):
             order = list(previous.sections)  # a follow-up ("and then?") stays where the conversation is
-        else:
-            order = ranking(scores)
         chosen = self.fit(order, room, engine.positions == "compact", engine.max_sections)
-        return Selection(tuple(chosen), len(self.sections), self._pages(chosen), self.router.name, matched)
+        return Selection(tuple(chosen), len(self.sections), self._pages(chosen), engine.routing, matched)
 
     def assemble(self, engine, selection: Selection) -> DocumentCache:
         """The working cache of ``selection``: its sections spliced behind the head."""

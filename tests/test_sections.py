@@ -281,3 +281,29 @@ def test_sekv_zooms_into_spliced_sections_and_exact_spans_give_the_plain_answer(
     plain, sekv = answers["plain"], answers["sekv"]
     assert sekv.sections == plain.sections and sekv.spans_expanded > 0 and sekv.host_bytes > 0
     assert sekv.completion_ids == plain.completion_ids
+
+
+@pytest.mark.parametrize("routing", ["attention", "hybrid"])
+def test_the_models_own_routing_ranks_every_section(tiny_llama, tiny_tokenizer, long_text, routing):
+    from semanticache_rag.routing import summarise
+
+    engine = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, routing=routing)
+    cache = engine.read(long_text[:12000], progress=False)
+    order, matched = cache.ranking(engine, QUESTION)
+    assert sorted(order) == list(range(len(cache.sections))) and matched
+    scores = cache.attention_router.scores(engine, [5, 6, 7])
+    assert scores.shape == (len(cache.sections),) and (scores > 0).all()
+    answer = engine.ask(cache, QUESTION, max_new_tokens=2)
+    assert answer.routing == routing and len(answer.sections) == 2
+    layer = cache.sections[0].layers[0]
+    keys, values, sizes = summarise(layer, 64)  # one entry per 64: the mean, standing for all 64 tokens
+    assert (
+        keys.shape[2] == -(-layer.keys.shape[2] // 64)
+        and int(sizes.sum()) == layer.keys.shape[1] * cache.sections[0].length
+    )
+    torch.testing.assert_close(keys[:, :, 0], layer.keys[:, :, :64].mean(2))
+
+
+def test_unknown_routing_is_refused(tiny_llama, tiny_tokenizer):
+    with pytest.raises(ConfigError, match="routing must be one of"):
+        Engine(tiny_llama, tiny_tokenizer, routing="psychic")
