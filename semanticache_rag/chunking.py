@@ -29,6 +29,20 @@ def digit_mask(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     return _token_test(token_ids, tokenizer, lambda text: any(ch.isdigit() for ch in text))
 
 
+def word_ids(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(N,) long: index of the whitespace-delimited word each token belongs to ("Q7-TANGERINE-318"
+    is one word however many tokens it takes). A token starts a word when its text starts with white
+    space or the previous token's text ends with it."""
+    if token_ids.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    leads = _token_test(token_ids, tokenizer, lambda text: text[:1].isspace())
+    trails = _token_test(token_ids, tokenizer, lambda text: text[-1:].isspace())
+    starts = leads.clone()
+    starts[1:] |= trails[:-1]
+    starts[0] = True
+    return starts.long().cumsum(0) - 1
+
+
 def semantic_chunks(delimiters: torch.Tensor, min_length: int = 1, max_length: int = 64) -> torch.Tensor:
     """Chunk index per token.
 

@@ -158,3 +158,17 @@ def test_kara_keeps_a_compressed_turn_2_fact_and_a_long_chat_within_budget(engin
     tail_tokens = answer.prompt_tokens - answer.document_tokens
     assert len(chat.turns) == 16 and tail_tokens > 4 * limit  # all 16 turns are in the prompt...
     assert tail_tokens - chat._compressed_tokens <= limit  # ...and all but the newest were compressed
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_a_planted_code_keeps_its_hyphens_under_compression(engine, ratio):
+    """A fact is a word: an anchor inside "Q7-TANGERINE-318" keeps the whole code (it lost its hyphens before)."""
+    from pathlib import Path
+
+    text = Path("/usr/share/common-licenses/Apache-2.0").read_text()
+    cut = text.rfind("\n\n", 0, len(text) // 2) + 2
+    planted = text[:cut] + "The maintenance code for the north turbine hall is Q7-TANGERINE-318.\n\n" + text[cut:]
+    prefill = engine.prefill(planted, progress=False, surprisal=True)
+    cache = engine.compress(prefill, SemantiCacheCompressor(ratio))
+    answer = engine.ask(cache, "What is the maintenance code for the north turbine hall?", max_new_tokens=32)
+    assert abs(cache.entries_removed - ratio) <= 0.02 and "Q7-TANGERINE-318" in answer.answer

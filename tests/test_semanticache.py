@@ -7,7 +7,7 @@ import torch
 from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 
 from semanticache_rag import ConfigError, Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor
-from semanticache_rag.chunking import delimiter_mask, semantic_chunks
+from semanticache_rag.chunking import delimiter_mask, semantic_chunks, word_ids
 from semanticache_rag.compressors import make_compressor
 
 
@@ -126,6 +126,8 @@ def test_streaming_llm_keeps_sinks_and_recent(tiny_llama, tiny_tokenizer, docume
         ({"tau": 1.5}, "tau"),
         ({"target_tokens": 0}, "target_tokens"),
         ({"anchor_share": 2}, "anchor_share"),
+        ({"anchor_unit": "sentence"}, "anchor_unit must be 'word' or 'token'"),
+        ({"max_word_tokens": 0}, "max_word_tokens must be >= 1"),
     ],
 )
 def test_bad_configs_name_the_value(kwargs, message):
@@ -153,3 +155,31 @@ def test_a_seed_joins_its_own_cluster_even_below_tau():
     similarity = torch.tensor([[0.89, 0.5, 0.5], [0.91, 1.0, 0.5], [0.5, 0.5, 1.0]])[None, None]
     seeds = greedy_seed_clustering(similarity, layout, torch.tensor([0.9]), torch.zeros(3, dtype=torch.bool))
     assert seeds.tolist() == [[0, 1, 2]]
+
+
+def test_words_are_whitespace_delimited_whatever_the_tokens(tiny_tokenizer):
+    text = "The code is Q7-TANGERINE-318.\nNext line, two words."
+    ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    words = word_ids(ids, tiny_tokenizer)
+    pieces = {}
+    for token, word in zip(ids.tolist(), words.tolist()):
+        pieces[word] = pieces.get(word, "") + tiny_tokenizer.decode([token])
+    assert [p.strip() for p in pieces.values() if p.strip()] == text.split()  # white space alone: its own
+
+
+def test_an_anchor_keeps_its_whole_word_within_the_budget(tiny_llama, tiny_tokenizer, document_text):
+    from semanticache_rag.compressors.base import CompressionContext
+
+    text = document_text[:1500] + " The maintenance code is Q7-TANGERINE-318. " + document_text[1500:2500]
+    ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    words = word_ids(ids, tiny_tokenizer)
+    surprisal = torch.zeros(len(ids))
+    code = [i for i, w in enumerate(words.tolist()) if w == words[len(tiny_tokenizer(text[:1530])["input_ids"])]]
+    surprisal[code[1]] = 50.0  # one surprising token inside the code
+    context = CompressionContext(ids, torch.zeros(len(ids), dtype=torch.bool), surprisal, tiny_tokenizer)
+    assert len(code) > 8  # the tiny tokenizer splits it into many tokens
+    for unit, longest, whole in (("word", 32, True), ("token", 32, False), ("word", 8, False)):
+        compressor = SemantiCacheCompressor(0.5, anchor_unit=unit, max_word_tokens=longest, protect_digits=False)
+        plan = compressor.prepare(context)
+        assert bool(plan.protected[code].all()) == whole and bool(plan.protected[code[1]])
+        assert int(plan.protected.sum()) <= compressor.anchor_share * plan.target + 4 + 32  # sinks and window too

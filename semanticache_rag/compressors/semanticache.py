@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from semanticache_rag.chunking import delimiter_mask, digit_mask, semantic_chunks
+from semanticache_rag.chunking import delimiter_mask, digit_mask, semantic_chunks, word_ids
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
@@ -71,6 +71,14 @@ class SemantiCacheCompressor(Compressor):
         Protect tokens with surprisal above mean + ``anchor_std`` std; ``None`` disables anchors.
     anchor_share : float
         Most of the kept entries that anchors may take, in [0, 1].
+    anchor_unit : str
+        ``"word"``: an anchor keeps every token of its whitespace-delimited word (up to
+        ``max_word_tokens``), so "Q7-TANGERINE-318" keeps its hyphens; ``"token"``: only the token.
+    max_word_tokens : int
+        Longest word kept whole; a longer run without spaces (a URL, a line of code) keeps its
+        anchor tokens only.
+    protect_digits : bool
+        Tokens holding a digit are anchors before any other.
     search_steps : int
         Bisection steps of the tau search.
     backend : str
@@ -87,6 +95,8 @@ class SemantiCacheCompressor(Compressor):
     window_tokens: int = 32
     anchor_std: float | None = 0.5
     anchor_share: float = 0.5
+    anchor_unit: str = "word"
+    max_word_tokens: int = 16
     protect_digits: bool = True
     value_similarity: bool = False
     search_steps: int = 20
@@ -102,6 +112,10 @@ class SemantiCacheCompressor(Compressor):
             raise ConfigError("max_chunk_length and search_steps must be >= 1, sink/window tokens >= 0")
         if not 0 <= self.anchor_share <= 1:
             raise ConfigError(f"anchor_share must be in [0, 1], got {self.anchor_share!r}")
+        if self.anchor_unit not in ("word", "token"):
+            raise ConfigError(f"anchor_unit must be 'word' or 'token', got {self.anchor_unit!r}")
+        if self.max_word_tokens < 1:
+            raise ConfigError(f"max_word_tokens must be >= 1, got {self.max_word_tokens!r}")
         check_backend(self.backend)
         if self.value_similarity and self.backend == "triton":
             raise ConfigError('value_similarity runs on the torch backend only; use backend="auto" or "torch"')
@@ -153,9 +167,32 @@ class SemantiCacheCompressor(Compressor):
             priority = torch.where(digit_mask(context.token_ids, context.tokenizer), float("inf"), priority)
         priority = priority.masked_fill(protected, float("-inf"))
         room = max(0, int(self.anchor_share * target) - int(protected.sum()))
+        if self.anchor_unit == "word":
+            return self._word_anchors(priority, protected, room, word_ids(context.token_ids, context.tokenizer))
         count = min(room, int(torch.isfinite(priority).sum() + (priority == float("inf")).sum()))
         anchors = torch.zeros_like(protected)
         anchors[priority.topk(count).indices] = True
+        return anchors
+
+    def _word_anchors(self, priority: torch.Tensor, protected: torch.Tensor, room: int, words: torch.Tensor):
+        """Whole words, by the priority of their best token, while their tokens fit ``room``."""
+        count = int(words.max()) + 1 if words.numel() else 0
+        best = torch.full((count,), float("-inf")).scatter_reduce(0, words, priority, reduce="amax")
+        lengths = torch.bincount(words, minlength=count)
+        anchors, used = torch.zeros_like(protected), 0
+        order = best.argsort(descending=True).tolist()
+        firsts = torch.searchsorted(words, torch.arange(count)).tolist()
+        for word in order:
+            if best[word] == float("-inf") or used >= room:
+                break
+            span = slice(firsts[word], firsts[word] + int(lengths[word]))
+            members = ~protected[span] & ~anchors[span]
+            if int(lengths[word]) > self.max_word_tokens:  # no spaces for long: keep its anchor tokens only
+                members &= priority[span] > float("-inf")
+            take = int(members.sum())
+            if used + take <= room:
+                anchors[span] |= members
+                used += take
         return anchors
 
     def _layout(self, delimiters: torch.Tensor, protected: torch.Tensor, target: int) -> ChunkLayout:
