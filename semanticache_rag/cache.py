@@ -8,7 +8,7 @@ that turn from (:meth:`DocumentCache.select`, :meth:`DocumentCache.assemble`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -165,6 +165,22 @@ class DocumentCache:
     @property
     def total_pages(self) -> int:
         return self.document.total_pages
+
+    def prefix(self, tokens: int) -> DocumentCache:
+        """The cache of the first ``tokens`` tokens (views, no copy); only for uncompressed caches.
+
+        Raises
+        ------
+        ValueError
+            The cache is compressed (its entries are not tokens) or shorter than ``tokens``.
+        """
+        plain = all(type(layer) is LayerKV and layer.sizes is None for layer in self.layers)
+        if not plain or not 0 <= tokens <= self.length:
+            raise ValueError(f"only an uncompressed cache of at least {tokens} tokens has a prefix of that length")
+        layers = tuple(LayerKV(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in self.layers)
+        return replace(
+            self, layers=layers, prefix_ids=self.prefix_ids[:tokens], token_pages=self.token_pages[:tokens], zoom=None
+        )
 
     def select(self, engine, question: str, room: int, previous: Selection | None = None) -> Selection:
         """Which parts of the document answer ``question``: all of it, for a document read whole.

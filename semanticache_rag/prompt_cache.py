@@ -17,12 +17,18 @@ the piece itself, prefilled after the prompt's head (its text before the first p
 compressed with the engine's compressor; pieces are placed one after the other with their keys
 moved to their new positions (:mod:`semanticache_rag.sections`). Spliced pieces did not attend to
 each other when they were prefilled: the same trade as a long document's sections.
+
+Any other prompt is cached automatically, as llama.cpp's prompt cache and vLLM's prefix caching
+do: the KV of every prompt is kept (uncompressed, least recently used first out of
+``max_prompt_bytes``), and a later prompt that starts with the same tokens computes only the
+tokens after the longest common prefix (the same system message, document or earlier turns).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import re
 import threading
@@ -35,11 +41,13 @@ from semanticache_rag.cache import DocumentCache, Selection
 from semanticache_rag.conversation import Answer, Conversation
 from semanticache_rag.documents import Document, document_from_text, load_document
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.kv import LayerKV
 from semanticache_rag.reading import compress_section, prefill_section, read_head
 from semanticache_rag.sections import SectionedCache
 
 _ANCHOR = 80  # characters matched at each end of a document
 MIN_PIECE_CHARS = 64  # shorter registered pieces are not looked for in prompts
+MIN_PREFIX_TOKENS = 16  # a shorter common prefix is computed again rather than copied
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -61,9 +69,10 @@ def _anchor_pairs(raw_pages: list[str], normalised: str) -> list[tuple[str, str]
 class AnswerStream:
     """Iterate for text pieces; :attr:`answer` is the :class:`Answer` once iteration ends."""
 
-    def __init__(self, pieces: Iterator[str], conversation: Conversation, created: tuple, doc_id: str | None):
+    def __init__(self, pieces: Iterator[str], conversation: Conversation, created: tuple, doc_id, on_end=None):
         self._pieces, self._conversation = pieces, conversation
         (self._created, self._created_s), self._doc_id = created, doc_id
+        self._on_end = on_end
         self.answer: Answer | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -78,6 +87,8 @@ class AnswerStream:
             document_id=self._doc_id,
             prefill_s=answer.prefill_s + self._created_s,
         )
+        if self._on_end is not None:
+            self._on_end(self._conversation)
 
 
 class PromptCache:
@@ -90,14 +101,21 @@ class PromptCache:
         Prompt prefixes (document caches) kept in memory, least recently used evicted.
     max_piece_bytes : int
         Memory for the caches of registered pieces found in prompts, least recently used evicted.
+    max_prompt_bytes : int
+        Memory for the automatic cache of other prompts, least recently used evicted; 0 turns it off.
     """
 
-    def __init__(self, engine, max_prefixes: int = 4, max_piece_bytes: int = 512 * 2**20):
-        if max_prefixes < 1 or max_piece_bytes < 0:
+    def __init__(
+        self, engine, max_prefixes: int = 4, max_piece_bytes: int = 512 * 2**20, max_prompt_bytes: int = 2**30
+    ):
+        if max_prefixes < 1 or max_piece_bytes < 0 or max_prompt_bytes < 0:
             raise ConfigError(
-                f"max_prefixes must be >= 1 and max_piece_bytes >= 0, got {max_prefixes!r}, {max_piece_bytes!r}"
+                f"max_prefixes must be >= 1 and the byte budgets >= 0, got {max_prefixes!r}, {max_piece_bytes!r}, "
+                f"{max_prompt_bytes!r}"
             )
         self.engine, self.max_prefixes, self.max_piece_bytes = engine, max_prefixes, max_piece_bytes
+        self.max_prompt_bytes = max_prompt_bytes
+        self._prompts: OrderedDict[int, DocumentCache] = OrderedDict()
         self.documents: dict[str, Document] = {}
         self._anchors: dict[str, list[tuple[str, str]]] = {}
         self._caches: OrderedDict[str, DocumentCache] = OrderedDict()
@@ -174,8 +192,15 @@ class PromptCache:
         elif pieces := self.find_pieces(text):
             doc_id, split = pieces[0][2], pieces[-1][1]
             cache, created = self._spliced(text, pieces)
-        tail = self.engine.tokenizer(text[split:], add_special_tokens=False)["input_ids"]
         question = messages if isinstance(messages, str) else messages[-1]["content"]
+        if doc_id is None:  # no registered document: reuse the longest prefix of a prompt computed before
+            ids = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+            cache, reused = self._reused_prompt(ids)
+            conversation = Conversation(self.engine, cache)
+            answer = conversation.stream_tokens(ids[reused:], question, **options)
+            remember = functools.partial(self._remember_prompt, ids, reused)
+            return AnswerStream(answer, conversation, created, None, on_end=remember)
+        tail = self.engine.tokenizer(text[split:], add_special_tokens=False)["input_ids"]
         conversation = Conversation(self.engine, cache)
         return AnswerStream(conversation.stream_tokens(tail, question, **options), conversation, created, doc_id)
 
@@ -186,6 +211,51 @@ class PromptCache:
             pass
         assert stream.answer is not None
         return stream.answer
+
+    # -- automatic prompt caching --------------------------------------------------------------
+
+    def _reused_prompt(self, ids: list[int]) -> tuple[DocumentCache, int]:
+        """The cached prompt sharing the longest token prefix with ``ids``, cut to that prefix, and its length."""
+        best, length = None, 0
+        wanted = torch.tensor(ids)
+        with self._lock:
+            for key, cache in self._prompts.items():
+                n = min(cache.length, len(ids))
+                common = int((cache.prefix_ids[:n] == wanted[:n]).long().cumprod(0).sum())
+                if common > length:
+                    best, length = key, common
+            if best is None or length < MIN_PREFIX_TOKENS:
+                return self._empty_cache(), 0
+            self._prompts.move_to_end(best)
+            cache = self._prompts[best]
+        length = min(length, len(ids) - 1)  # at least one token is computed, for the next logits
+        return cache.prefix(length), length
+
+    def _remember_prompt(self, ids: list[int], reused: int, conversation: Conversation) -> None:
+        """Keep the KV of the whole prompt ``ids`` for the prompts that will start like it."""
+        if self.max_prompt_bytes == 0 or len(ids) < MIN_PREFIX_TOKENS:
+            return
+        new, layers = len(ids) - reused, []
+        for document, appended in zip(conversation.cache.layers, conversation.kv.layers):
+            keys, values = appended.appended()
+            layers.append(
+                LayerKV(
+                    torch.cat([document.keys[:, :, :reused], keys[:, :, :new]], 2).clone(),
+                    torch.cat([document.values[:, :, :reused], values[:, :, :new]], 2).clone(),
+                )
+            )
+        pages = torch.full((len(ids),), -1, dtype=torch.int32)
+        cache = dataclasses.replace(
+            self._empty_cache(), layers=tuple(layers), prefix_ids=torch.tensor(ids), token_pages=pages
+        )
+        with self._lock:
+            for key, old in list(self._prompts.items()):  # a prompt this one extends is no longer needed
+                if old.length <= len(ids) and old.prefix_ids.tolist() == ids[: old.length]:
+                    del self._prompts[key]
+            self._prompts[hash(tuple(ids))] = cache
+            total = sum(c.nbytes for c in self._prompts.values())
+            while total > self.max_prompt_bytes and self._prompts:
+                total -= self._prompts.popitem(last=False)[1].nbytes
 
     def _empty_cache(self):
         if self._empty is None:

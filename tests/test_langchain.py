@@ -390,3 +390,11 @@ def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, mon
     assert (
         len({id(e.model) for e in engines}) == 1 and len(_common._RUNTIMES) <= _common.MAX_RUNTIMES and len(loads) == 1
     )
+
+
+def test_a_repeated_system_message_is_read_from_the_cache_without_registration(chat):
+    system = SystemMessage("Answer from this text.\n\n" + corpus_text()[:2000])
+    first = chat.invoke([system, HumanMessage("Who may copy it?")])
+    second = chat.invoke([system, HumanMessage("What may be modified?")])
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 500

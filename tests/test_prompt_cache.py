@@ -179,3 +179,35 @@ def test_two_threads_asking_with_a_new_document_build_its_cache_once(tiny_engine
         thread.join()
     assert len(builds) == 1 and [a.answer for a in got] == expected
     assert sorted(a.cache_creation_tokens > 0 for a in got) == [False, True]
+
+
+# -- automatic prompt caching (no registration) ---------------------------------------------------
+
+
+def test_a_repeated_prompt_prefix_is_reused_without_registration(tiny_engine, document_text):
+    system = f"Use the following context to answer.\n\n{document_text[:2500]}"
+    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in ("Who?", "What is it?")]
+    cache = PromptCache(tiny_engine)
+    first, second = (cache.ask(m, max_new_tokens=6, loop_guard=False) for m in asks)
+    fresh = PromptCache(tiny_engine, max_prompt_bytes=0).ask(asks[1], max_new_tokens=6, loop_guard=False)
+    prefix = len(tiny_engine.tokenizer(cache.render(asks[0][:1]), add_special_tokens=False)["input_ids"])
+    assert first.cached_tokens == 0 and second.cached_tokens >= prefix - 8  # up to the first differing token
+    assert second.prompt_tokens - second.cached_tokens < 30 and fresh.cached_tokens == 0
+    assert second.completion_ids == fresh.completion_ids  # the same tokens at the same positions
+
+
+def test_a_chat_keeps_one_prompt_cache_entry_that_grows(tiny_engine, document_text):
+    cache = PromptCache(tiny_engine)
+    messages = [{"role": "system", "content": document_text[:1500]}, {"role": "user", "content": "Who?"}]
+    for turn in range(3):
+        answer = cache.ask(messages, max_new_tokens=4)
+        messages += [{"role": "assistant", "content": answer.answer}, {"role": "user", "content": f"And {turn}?"}]
+        assert turn == 0 or answer.cached_tokens > 400
+    assert len(cache._prompts) == 1  # each turn's prompt extends the previous one, which is dropped
+
+
+def test_the_prompt_cache_stays_within_its_budget(tiny_engine, document_text):
+    cache = PromptCache(tiny_engine, max_prompt_bytes=3 * 2**20)
+    for i in range(4):
+        cache.ask(f"{i} " + document_text[i * 700 : (i + 1) * 700], max_new_tokens=2)
+    assert sum(c.nbytes for c in cache._prompts.values()) <= 3 * 2**20 and len(cache._prompts) >= 1
