@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from importlib import resources
@@ -250,6 +251,35 @@ def cmd_cache_clear(args) -> None:
     print(f"Removed {count} entries ({size / 2**20:.1f} MiB) from {store.directory}")
 
 
+def cmd_serve(args) -> None:
+    try:
+        import uvicorn
+
+        from semanticache_rag.server import Limits, create_app
+    except ImportError as exc:
+        raise SemantiCacheError(f"{exc}") from exc
+    api_key = args.api_key or os.environ.get("SEMANTICACHE_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {args.host} with no API key: anyone who can reach it can use it", file=sys.stderr)
+    args.json = False
+    engine = _engine(args)
+    limits = Limits(upload_bytes=args.max_upload_mb * 2**20, new_tokens=args.max_new_tokens, concurrent=args.concurrent)
+    app = create_app(engine, api_key=api_key, limits=limits)
+    print(f"Serving {engine.model_name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+
+
+def _add_serve_command(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server and a web page for document chat")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, local only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' ($SEMANTICACHE_API_KEY)")
+    serve.add_argument("--max-upload-mb", type=int, default=64, help="largest document upload (default: 64 MiB)")
+    serve.add_argument("--concurrent", type=int, default=2, help="answers computed at once; others queue (default: 2)")
+    _add_common(serve)
+    serve.set_defaults(func=cmd_serve, max_new_tokens=1024)
+
+
 def _add_cache_commands(sub) -> None:
     cache = sub.add_parser("cache", help="list, inspect or remove stored document caches")
     commands = cache.add_subparsers(dest="cache_command", required=True)
@@ -345,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo, json=False)
     for p in (ask, chat, demo):
         _add_common(p)
+    _add_serve_command(sub)
     _add_cache_commands(sub)
     return parser
 

@@ -27,7 +27,7 @@ from semanticache_rag.errors import DocumentError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Document", "Page", "document_from_text", "load_document", "looks_glued", "read_pdf"]
+__all__ = ["Document", "Page", "document_from_bytes", "document_from_text", "load_document", "looks_glued", "read_pdf"]
 
 PAGE_SEPARATOR = "\n\n"
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".text"})
@@ -180,7 +180,7 @@ def read_pdf(path: str | os.PathLike[str]) -> Document:
         extractable text (image-only scans).
     """
     path = Path(path).expanduser()
-    return _pdf_document(_read_bytes(path), path)
+    return _pdf_document(_read_bytes(path), path, str(path.resolve()))
 
 
 def looks_glued(text: str) -> bool:
@@ -223,11 +223,28 @@ def _read_bytes(path: Path) -> bytes:
         raise DocumentError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
+def document_from_bytes(data: bytes, name: str, source: str | None = None) -> Document:
+    """A document from a file's bytes (an upload): a PDF (its magic bytes or a ``.pdf`` name) or UTF-8 text.
+
+    ``name`` is only a label: its last component names the document and nothing is read from disk.
+
+    Raises
+    ------
+    DocumentError
+        As :func:`load_document` does for a file with these bytes.
+    """
+    label = Path(Path(str(name)).name or "upload")
+    return _document_from_bytes(data, label, source)
+
+
 def _read_file(path: Path) -> Document:
-    data = _read_bytes(path)
+    return _document_from_bytes(_read_bytes(path), path, str(path.resolve()))
+
+
+def _document_from_bytes(data: bytes, path: Path, source: str | None) -> Document:
     suffix = path.suffix.lower()
     if suffix == ".pdf" or data.startswith(b"%PDF-"):
-        return _pdf_document(data, path)
+        return _pdf_document(data, path, source)
     if suffix not in TEXT_SUFFIXES and b"\x00" in data[:8192]:
         raise DocumentError(f"{path} is not a supported format; use {SUPPORTED_FORMATS}")
     try:
@@ -239,13 +256,13 @@ def _read_file(path: Path) -> Document:
             f"{path} is not valid UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start});"
             " save it as UTF-8 and try again"
         ) from exc
-    return document_from_text(text, name=path.name, source=str(path.resolve()))
+    return document_from_text(text, name=path.name, source=source)
 
 
 # -- PDF ------------------------------------------------------------------------------------
 
 
-def _pdf_document(data: bytes, path: Path) -> Document:
+def _pdf_document(data: bytes, path: Path, source: str | None) -> Document:
     page_texts, labels = _pypdf_pages(data, path)
     extractor = "pypdf"
     if looks_glued(PAGE_SEPARATOR.join(page_texts)):
@@ -255,7 +272,6 @@ def _pdf_document(data: bytes, path: Path) -> Document:
             f"{path} has no extractable text; it looks image-only (scanned)."
             " Run OCR on it first, e.g. `ocrmypdf in.pdf out.pdf`"
         )
-    source = str(path.resolve())
     return _assemble(page_texts, labels, name=path.name, source=source, extractor=extractor)
 
 

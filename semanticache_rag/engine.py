@@ -11,7 +11,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm.auto import tqdm
 
 from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.compressors import CompressionContext, Compressor, NoCompression
@@ -19,6 +18,7 @@ from semanticache_rag.documents import Document, load_document
 from semanticache_rag.errors import ConfigError, ContextLengthError
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.prompts import DEFAULT_SYSTEM_PROMPT, PromptFormat
+from semanticache_rag.reading import Progress
 from semanticache_rag.rotation import rope_frequencies
 from semanticache_rag.sections import POSITIONS, ROUTINGS
 
@@ -188,7 +188,7 @@ class Engine:
         head = self.head_ids
         return head + ids, torch.cat([torch.full((len(head),), -1, dtype=torch.int32), pages])
 
-    def read(self, source, *, progress: bool = True) -> DocumentCache | SectionedCache:
+    def read(self, source, *, progress=True) -> DocumentCache | SectionedCache:
         """Read a document (path, text or :class:`Document`) once and return its cache.
 
         A document that fits the context (with :attr:`answer_reserve` to spare) is read whole into
@@ -198,6 +198,9 @@ class Engine:
         way (:meth:`ask`, :meth:`conversation`). With a :attr:`store`, a document read before by
         the same model and compressor is loaded from it instead (same tensors, so the same
         answers), and a new one is stored.
+
+        ``progress``: a bar over tokens (``True``), none (``False``), or a function called with
+        (tokens read, tokens to read) as reading goes (a server reporting progress).
 
         Raises
         ------
@@ -213,7 +216,7 @@ class Engine:
         document = self.store.load_document(source)  # skips text extraction for a file read before
         return self.store.fetch(self, document, lambda sections=None: self._read(document, progress, sections))
 
-    def _read(self, document: Document, progress: bool, sections=None):
+    def _read(self, document: Document, progress, sections=None):
         from semanticache_rag.reading import read_sections
 
         ids, offsets, pages = self.tokenize_document(document)
@@ -256,10 +259,11 @@ class Engine:
         ids: list[int],
         pages: torch.Tensor,
         *,
-        progress: bool = True,
+        progress=True,
         surprisal: bool | None = None,
     ) -> Prefill:
-        """Prefill given prefix tokens (``pages``: page index per token, -1 for template tokens)."""
+        """Prefill given prefix tokens (``pages``: page index per token, -1 for template tokens);
+        ``progress`` as for :meth:`read`."""
         limit = self.read_limit
         if len(ids) > limit:
             raise ContextLengthError(
@@ -270,8 +274,7 @@ class Engine:
         need = self.compressor.needs_surprisal if surprisal is None else surprisal
         started = time.perf_counter()
         kv = ConversationKV(num_layers=self.model.config.num_hidden_layers, capacity=len(ids))
-        bar = tqdm(total=len(ids), desc=f"Reading {document.name}", unit="tok", disable=not progress, leave=False)
-        with bar:
+        with Progress(progress, len(ids), document.name) as bar:
             token_surprisal = self.run_tokens(kv, ids, 0, need, on_chunk=bar.update)
         keys_values = [layer.appended() for layer in kv.layers]
         return Prefill(document, ids, pages, keys_values, token_surprisal, time.perf_counter() - started)

@@ -21,6 +21,31 @@ from semanticache_rag.kv import ConversationKV, LayerKV
 from semanticache_rag.sections import SectionedCache, character_spans, plan_sections
 
 
+class Progress:
+    """Reading progress: a tqdm bar over tokens (``progress=True``), or calls of ``progress(done, total)``
+    (a server reporting to its clients), or nothing (``False``)."""
+
+    def __init__(self, progress, total: int, name: str):
+        self.callback = progress if callable(progress) else None
+        self.bar = tqdm(total=total, desc=f"Reading {name}", unit="tok", disable=progress is not True, leave=False)
+        self.done, self.total = 0, total
+
+    def update(self, tokens: int) -> None:
+        self.done += tokens
+        self.bar.update(tokens)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def note(self, text: str) -> None:
+        self.bar.set_postfix_str(text)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
 def read_head(engine, document: Document, ids: list[int] | None = None) -> tuple[DocumentCache, torch.Tensor]:
     """The prompt head's cache (uncompressed) and its last logits, which predict a section's first token.
 
@@ -61,7 +86,7 @@ def compress_section(engine, compressor, head: DocumentCache, prefill, ids: list
     return DocumentCache(head.document, layers, tokens, pages, name, method, read_s, compress_s, zoom)
 
 
-def read_sections(engine, document: Document, tokens, *, progress: bool = True, checkpoint=None) -> SectionedCache:
+def read_sections(engine, document: Document, tokens, *, progress=True, checkpoint=None) -> SectionedCache:
     """Read ``document`` (``tokens``: ids, character offsets, pages from :meth:`Engine.tokenize_document`)
     as sections of at most ``engine.section_tokens`` tokens.
 
@@ -72,8 +97,7 @@ def read_sections(engine, document: Document, tokens, *, progress: bool = True, 
     ranges = plan_sections(document, offsets, engine.section_tokens)
     head, head_logits = read_head(engine, document)
     sections = []
-    bar = tqdm(total=len(ids), desc=f"Reading {document.name}", unit="tok", disable=not progress, leave=False)
-    with bar:
+    with Progress(progress, len(ids), document.name) as bar:
         for k, (start, end) in enumerate(ranges):
             section = checkpoint.load(k) if checkpoint is not None else None
             if section is not None and section.prefix_ids.tolist() != ids[start:end]:
@@ -88,5 +112,5 @@ def read_sections(engine, document: Document, tokens, *, progress: bool = True, 
             else:
                 bar.update(end - start)
             sections.append(section)
-            bar.set_postfix_str(f"page {document.pages[int(pages[end - 1])].label} of {document.total_pages}")
+            bar.note(f"page {document.pages[int(pages[end - 1])].label} of {document.total_pages}")
     return SectionedCache(document, head, tuple(sections), character_spans(document, offsets, ranges))
