@@ -153,7 +153,7 @@ class Conversation:
         if self.cache.zoom is not None:  # rebuild the spans this question needs; the whole tail is recomputed
             self.kv, zoom = working_cache(engine, self.cache, tail)
             reused = 0
-        guard = LoopGuard() if opts.loop_guard else None
+        guard = LoopGuard(said=tuple(t.answer for t in self.turns if t.answer)) if opts.loop_guard else None
         stream = TextStream(engine.tokenizer, tuple(opts.stop) + engine.prompt.stop_strings, guard)
         sampler, eos = Sampler(opts, engine.device), self._eos_ids()
         logits = engine.forward(self.kv, tail[reused:], self.cache.positions + reused)[-1]

@@ -110,43 +110,64 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-# A sentence ends at . ! ? before white space, a line at a newline.
-_SEGMENT_END = re.compile(r"[.!?](?=\s)|\n")
+# Two ways to cut an answer into units: sentences (. ! ? before white space, or a blank line; a
+# single line break is white space, since answers imitate the hard-wrapped lines of PDF text) and lines.
+_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n\s*\n")
+_LINE_END = re.compile(r"\n")
 
 
 class LoopGuard:
     """Tells when an answer started repeating itself, and where to cut it.
 
-    Two signs, both within one answer: a sentence or line (at least ``min_chars`` characters and
-    two words) that equals an earlier one, and a block of ``period`` tokens repeated ``repeats``
-    times in a row (``period * repeats >= min_run`` tokens: "1000000" is not a loop, "-S-GUID-S-GUID-S-GUID"
-    is). Small models loop on long contexts; llama.cpp and transformers guard against it with
-    repetition penalties, which change every later token: this only decides where to stop.
+    Two signs, both within one answer: a sentence or a line (at least ``min_chars`` characters and
+    two words, white space ignored) that equals an earlier one, and a block of ``period`` tokens
+    repeated ``repeats`` times in a row (``period * repeats >= min_run`` tokens: "1000000" is not a
+    loop, "-S-GUID-S-GUID-S-GUID" is). Small models loop on long contexts; llama.cpp and
+    transformers guard against it with repetition penalties, which change every later token: this
+    only decides where to stop.
     """
 
-    def __init__(self, min_chars: int = 12, min_run: int = 12, max_period: int = 16, repeats: int = 3):
+    def __init__(
+        self, min_chars: int = 12, min_run: int = 12, max_period: int = 16, repeats: int = 3, said: tuple[str, ...] = ()
+    ):
         self.min_chars, self.min_run, self.max_period, self.repeats = min_chars, min_run, max_period, repeats
+        # sentences and lines of the conversation's earlier answers: a new answer that says one again has
+        # started repeating them (the reported chat appended the first answer to every later one)
+        self.said = {u for text in said for u in self._units(text)} - {None}
 
-    def _sentence(self, text: str) -> str | None:
-        sentence = " ".join(text.split())
-        return sentence if len(sentence) >= self.min_chars and " " in sentence else None
+    def _units(self, text: str) -> set[str | None]:
+        units = set()
+        for pattern in (_SENTENCE_END, _LINE_END):
+            spans, start = self.segments(text + "\n\n", pattern)
+            units |= {self._unit(text[a:b]) for a, b in spans}
+        return units
 
-    def segments(self, text: str) -> tuple[list[tuple[int, int]], int]:
-        """Spans of the finished sentences and lines of ``text``, and where the unfinished one starts."""
+    def _unit(self, text: str) -> str | None:
+        unit = " ".join(text.split())
+        return unit if len(unit) >= self.min_chars and " " in unit else None
+
+    @staticmethod
+    def segments(text: str, pattern: re.Pattern = _SENTENCE_END) -> tuple[list[tuple[int, int]], int]:
+        """Spans of the finished units of ``text`` (white space alone is none), and where the unfinished one starts."""
         spans, start = [], 0
-        for match in _SEGMENT_END.finditer(text):
-            spans.append((start, match.end()))
+        for match in pattern.finditer(text):
+            if text[start : match.end()].strip():
+                spans.append((start, match.end()))
             start = match.end()
         return spans, start
 
     def repeated_sentence(self, text: str) -> int | None:
-        """Where the last finished sentence starts when it repeats an earlier one, else ``None``."""
-        spans, _ = self.segments(text)
-        if len(spans) < 2:
-            return None
-        last = self._sentence(text[spans[-1][0] : spans[-1][1]])
-        earlier = {self._sentence(text[a:b]) for a, b in spans[:-1]}
-        return spans[-1][0] if last is not None and last in earlier else None
+        """Where the last finished sentence or line starts when it repeats an earlier one, else ``None``."""
+        found = []
+        for pattern in (_SENTENCE_END, _LINE_END):
+            spans, _ = self.segments(text, pattern)
+            if len(spans) < 2:  # an answer's first sentence may say what an earlier answer said
+                continue
+            last = self._unit(text[spans[-1][0] : spans[-1][1]])
+            earlier = {self._unit(text[a:b]) for a, b in spans[:-1]} | self.said
+            if last is not None and last in earlier:
+                found.append(spans[-1][0])
+        return min(found, default=None)
 
     def may_repeat(self, text: str) -> int | None:
         """Where the unfinished sentence starts when it is so far the start of an earlier one (hold it back)."""
@@ -154,7 +175,7 @@ class LoopGuard:
         partial = " ".join(text[start:].split())
         if not partial:
             return None
-        earlier = (self._sentence(text[a:b]) for a, b in spans)
+        earlier = {self._unit(text[a:b]) for a, b in spans} | (self.said if spans else set())
         return start if any(s is not None and s.startswith(partial) for s in earlier) else None
 
     def repeated_run(self, ids: list[int]) -> int | None:

@@ -139,3 +139,15 @@ def test_sampler_history_is_the_answer_only(tiny_engine):
     logits = torch.zeros(len(tiny_engine.tokenizer))
     logits[7], logits[8] = 2.0, 1.5
     assert sampler(logits, []) == 7 and sampler(logits, [7]) == 8  # 2.0 / 2 < 1.5
+
+
+def test_an_answer_that_goes_on_with_an_earlier_answer_ends_there():
+    """The reported chat: every later answer went on with the first answer's sentence."""
+    guard = LoopGuard(said=(LOOP,))
+    text = f"The latest version of the LH fonts is 3.20.\n\n{LOOP}\n\n"
+    assert guard.repeated_sentence(text) == len("The latest version of the LH fonts is 3.20.\n\n")
+    assert guard.repeated_sentence(f"{LOOP}\n") is None  # asked again, an answer may say it again first
+    wrapped = "koi8-r is a variant of koi8-u that is\nused in the fonts. koi8-r is a variant of koi8-u that is used in the\nfonts."
+    assert LoopGuard().repeated_sentence(wrapped + "\n") == len(
+        "koi8-r is a variant of koi8-u that is\nused in the fonts."
+    )
