@@ -147,7 +147,10 @@ def test_an_answer_that_goes_on_with_an_earlier_answer_ends_there():
     text = f"The latest version of the LH fonts is 3.20.\n\n{LOOP}\n\n"
     assert guard.repeated_sentence(text) == len("The latest version of the LH fonts is 3.20.\n\n")
     assert guard.repeated_sentence(f"{LOOP}\n") is None  # asked again, an answer may say it again first
-    wrapped = "koi8-r is a variant of koi8-u that is\nused in the fonts. koi8-r is a variant of koi8-u that is used in the\nfonts."
+    wrapped = (
+        "koi8-r is a variant of koi8-u that is\nused in the fonts. "
+        "koi8-r is a variant of koi8-u that is used in the\nfonts."
+    )
     assert LoopGuard().repeated_sentence(wrapped + "\n") == len(
         "koi8-r is a variant of koi8-u that is\nused in the fonts."
     )
