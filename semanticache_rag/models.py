@@ -9,7 +9,6 @@ Any transformers causal-LM id or local directory works too.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -23,6 +22,7 @@ import torch
 
 from semanticache_rag.attention import register_attention
 from semanticache_rag.errors import ModelLoadError
+from semanticache_rag.store_format import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,12 @@ def _convert_default_model(target: Path) -> None:
 _RECORD = "conversion.json"  # size, modification time and SHA-256 of each converted file
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _record_conversion(target: Path) -> None:
     """Write what :func:`_conversion_intact` checks: every file's size, mtime and SHA-256."""
     record = {}
     for path in sorted(p for p in target.iterdir() if p.is_file() and p.name != _RECORD):
         stat = path.stat()
-        record[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _file_sha256(path)}
+        record[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
     tmp = target / f".{_RECORD}.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(target / _RECORD)
@@ -119,7 +111,7 @@ def _conversion_intact(target: Path) -> bool:
             stat = (target / name).stat()
             if stat.st_size != want["size"]:
                 return False
-            if stat.st_mtime_ns != want["mtime_ns"] and _file_sha256(target / name) != want["sha256"]:
+            if stat.st_mtime_ns != want["mtime_ns"] and file_sha256(target / name) != want["sha256"]:
                 return False
     except (OSError, KeyError, TypeError):
         return False

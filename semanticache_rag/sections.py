@@ -202,7 +202,7 @@ class SectionedCache:
     def layers(self):
         raise AttributeError(
             "a sectioned cache has no single set of layers; Engine.ask and conversations splice the sections "
-            "each question needs (SectionedCache.working_document)"
+            "each question needs (SectionedCache.select, then SectionedCache.assemble)"
         )
 
     @property

@@ -275,11 +275,10 @@ def _code_from_parts(meta: dict, tensors: dict[str, torch.Tensor], prefix: str):
     return cls(**kwargs)
 
 
-def cache_record(cache: DocumentCache, tensors_sha256: str, tensors_bytes: int) -> dict:
-    """What loading one :class:`DocumentCache` back needs besides its tensor file (see :func:`load_cache`)."""
+def _summary(cache) -> dict:
+    """What a cache (a document read whole, a long one or one section of it) stands for and took."""
     return {
         "tokens": cache.length,
-        "layers": len(cache.layers),
         "nbytes": cache.nbytes,
         "full_nbytes": cache.full_nbytes,
         "entries_removed": cache.entries_removed,
@@ -288,6 +287,14 @@ def cache_record(cache: DocumentCache, tensors_sha256: str, tensors_bytes: int) 
         "compressor": cache.compressor,
         "prefill_s": cache.prefill_s,
         "compress_s": cache.compress_s,
+    }
+
+
+def cache_record(cache: DocumentCache, tensors_sha256: str, tensors_bytes: int) -> dict:
+    """What loading one :class:`DocumentCache` back needs besides its tensor file (see :func:`load_cache`)."""
+    return {
+        **_summary(cache),
+        "layers": len(cache.layers),
         "zoom": cache.zoom is not None,
         "layer_storage": [_layer_parts(layer, cache.layers)[0] for layer in cache.layers],
         "tensors": {"sha256": tensors_sha256, "bytes": tensors_bytes},
@@ -309,15 +316,7 @@ def build_manifest(cache, key: CacheKey, records: dict) -> dict:
         "key": asdict(key),
         "document": {"name": doc.name, "source": doc.source, "sha256": doc.sha256, "extractor": doc.extractor},
         "pages": doc.total_pages,
-        "tokens": cache.length,
-        "nbytes": cache.nbytes,
-        "full_nbytes": cache.full_nbytes,
-        "entries_removed": cache.entries_removed,
-        "bytes_removed": cache.bytes_removed,
-        "model_name": cache.model_name,
-        "compressor": cache.compressor,
-        "prefill_s": cache.prefill_s,
-        "compress_s": cache.compress_s,
+        **_summary(cache),
         **records,
         "created": time.time(),
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from semanticache_rag.documents import Document
-from semanticache_rag.store_format import FORMAT_VERSION, atomic_write, package_version
+from semanticache_rag.store_format import FORMAT_VERSION, atomic_write, file_sha256, package_version
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -133,7 +133,7 @@ def _files_digest(files: list[Path], memo: Path | None) -> str:
             stat.st_size,
             stat.st_mtime_ns,
         ):
-            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _file_digest(path)}
+            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
             known[name] = entry
         digests[path.name] = entry["sha256"]
     _write_memo(memo, known)
@@ -145,14 +145,6 @@ def _state_dict_digest(model) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
         h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
     return h.hexdigest()
 
 
