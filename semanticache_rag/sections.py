@@ -150,8 +150,8 @@ class SectionedCache:
     spans : tuple of (int, int)
         Character span of each section in ``document.text``.
 
-    How sections are placed and how many are taken per question are the engine's settings
-    (``Engine(positions=..., max_sections=...)``), read at each question.
+    How sections are ranked, placed and how many are taken per question are the engine's settings
+    (``Engine(routing=..., positions=..., max_sections=...)``), read at each question.
     """
 
     document: Document
