@@ -66,7 +66,7 @@ def test_semanticache_ratio_zero_gives_identical_tokens(engine, planted_prefill,
 @pytest.mark.parametrize("ratio", [0.5, 0.75])
 def test_semanticache_keeps_the_planted_fact(engine, planted_prefill, ratio):
     prefill, question, expected = planted_prefill
-    cache = engine.compress(prefill, SemantiCacheCompressor(ratio))
+    cache = engine.compress(prefill, SemantiCacheCompressor(ratio, anchor_unit="word"))
     assert abs(cache.entries_removed - ratio) <= 0.02
     assert cache.nbytes <= (1 - ratio) * cache.full_nbytes * 1.10
     assert expected in engine.ask(cache, question, max_new_tokens=32).answer
@@ -162,13 +162,14 @@ def test_kara_keeps_a_compressed_turn_2_fact_and_a_long_chat_within_budget(engin
 
 @pytest.mark.parametrize("ratio", [0.5, 0.75])
 def test_a_planted_code_keeps_its_hyphens_under_compression(engine, ratio):
-    """A fact is a word: an anchor inside "Q7-TANGERINE-318" keeps the whole code (it lost its hyphens before)."""
+    """A fact is a word: with word anchors, an anchor inside "Q7-TANGERINE-318" keeps the whole code (token
+    anchors lose its hyphens at 0.5 and turn it into "Q77-1111" at 0.75)."""
     from pathlib import Path
 
     text = Path("/usr/share/common-licenses/Apache-2.0").read_text()
     cut = text.rfind("\n\n", 0, len(text) // 2) + 2
     planted = text[:cut] + "The maintenance code for the north turbine hall is Q7-TANGERINE-318.\n\n" + text[cut:]
     prefill = engine.prefill(planted, progress=False, surprisal=True)
-    cache = engine.compress(prefill, SemantiCacheCompressor(ratio))
+    cache = engine.compress(prefill, SemantiCacheCompressor(ratio, anchor_unit="word"))
     answer = engine.ask(cache, "What is the maintenance code for the north turbine hall?", max_new_tokens=32)
     assert abs(cache.entries_removed - ratio) <= 0.02 and "Q7-TANGERINE-318" in answer.answer
