@@ -35,6 +35,7 @@ from semanticache_rag.documents import Document
 from semanticache_rag.errors import ConfigError, StoreError
 from semanticache_rag.models import home_dir
 from semanticache_rag.sections import SectionedCache
+from semanticache_rag.store_documents import load_document_text
 from semanticache_rag.store_format import (
     ENTRY_ID,
     EntryRejected,
@@ -46,7 +47,6 @@ from semanticache_rag.store_format import (
     entry_lock,
     is_locked,
     load_cache,
-    load_document_text,
     remove_leftovers,
     write_tensors,
 )

@@ -14,15 +14,13 @@ A cache is stored as two files named by its id, the hex SHA-256 of its
 
 Loading checks the manifest's key against the wanted one, the tensor file against the checksum
 and the tensors against the model's shape; anything else raises :class:`EntryRejected`.
-``documents/<digest>.json`` keeps the text and page map extracted from a file, named by the
-SHA-256 of the file's bytes, so that re-opening a long PDF skips text extraction.
+Extracted document texts are kept beside the entries (:mod:`semanticache_rag.store_documents`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import math
 import os
@@ -39,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from semanticache_rag.cache import DocumentCache, ModelSpec
-from semanticache_rag.documents import Document, Page, load_document
+from semanticache_rag.documents import Document
 from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
 
 if TYPE_CHECKING:
@@ -133,78 +131,6 @@ def remove_leftovers(directory: Path, older_than_s: float, last_used: float) -> 
                 with contextlib.suppress(OSError):
                     if path.stat().st_mtime < stale:
                         path.unlink()
-
-
-# -- extracted documents ----------------------------------------------------------------------
-
-
-def load_document_text(folder: Path, source) -> Document:
-    """:func:`~semanticache_rag.documents.load_document`, keeping what was extracted from a file in
-    ``folder`` and reusing it when a file with the same bytes is opened again."""
-    path = _existing_file(source)
-    try:
-        data = path.read_bytes() if path is not None else None
-    except OSError:
-        data = None
-    if path is None or data is None:
-        return load_document(source)
-    record = folder / f"{source_digest(data)}.json"
-    try:
-        stored = record.read_bytes()
-    except OSError:  # never extracted, or an unreadable store
-        stored = None
-    try:
-        if stored is not None:
-            document = document_from_record(stored, path)
-            with contextlib.suppress(OSError):
-                os.utime(record)  # last use, for clean-up
-            return document
-    except (EntryRejected, *LOAD_ERRORS) as exc:
-        logger.warning("Ignoring the stored text of %s (%s); extracting it again", path.name, exc)
-        with contextlib.suppress(OSError):
-            record.unlink()
-    document = load_document(path)
-    with contextlib.suppress(OSError):  # a read-only store extracts every time
-        if path.read_bytes() == data:  # unchanged while it was extracted
-            folder.mkdir(parents=True, exist_ok=True)
-            atomic_write(record, document_record(document))
-    return document
-
-
-def _existing_file(source) -> Path | None:
-    """``source`` as a path when :func:`load_document` would read it as a file."""
-    if isinstance(source, str) and ("\n" in source or len(source) >= 4096):
-        return None
-    if not isinstance(source, (str, os.PathLike)):
-        return None
-    try:
-        path = Path(source).expanduser()
-        return path if path.is_file() else None
-    except (OSError, ValueError):
-        return None
-
-
-def source_digest(data: bytes) -> str:
-    """Name of the extracted-text record of a file with these bytes (extraction depends on the version)."""
-    return hashlib.sha256(data + f"\0{FORMAT_VERSION}\0{package_version()}".encode()).hexdigest()
-
-
-def document_record(document: Document) -> bytes:
-    """What re-opening the same file needs instead of extracting its text again."""
-    pages = [[p.number, p.label, p.start, p.end] for p in document.pages]
-    record = {"sha256": document.sha256, "extractor": document.extractor, "pages": pages, "text": document.text}
-    return json.dumps(record, ensure_ascii=False).encode()
-
-
-def document_from_record(data: bytes, path: Path) -> Document:
-    """The :class:`Document` of a record, named after ``path``; :class:`EntryRejected` unless intact."""
-    record = json.loads(data)
-    text, pages = record["text"], tuple(Page(int(n), str(label), int(a), int(b)) for n, label, a, b in record["pages"])
-    if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != record["sha256"]:
-        raise EntryRejected("extracted text does not match its checksum")
-    if not pages or any(not 0 <= p.start <= p.end <= len(text) for p in pages):
-        raise EntryRejected("page map outside the text")
-    return Document(text, pages, path.name, str(path.resolve()), record["sha256"], str(record["extractor"]))
 
 
 # -- cache <-> tensors + manifest -----------------------------------------------------------

@@ -373,7 +373,7 @@ def test_reopened_file_skips_text_extraction(store_dir, tmp_path, monkeypatch, c
     def no_extraction(source):
         raise AssertionError("extracted again")
 
-    monkeypatch.setattr("semanticache_rag.store_format.load_document", no_extraction)
+    monkeypatch.setattr("semanticache_rag.store_documents.load_document", no_extraction)
     again = DocumentStore(store_dir).load_document(str(second_path))
     assert (again.text, again.pages, again.sha256, again.extractor) == (
         first.text,
