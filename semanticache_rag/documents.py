@@ -127,10 +127,12 @@ def load_document(source: str | os.PathLike[str] | Document) -> Document:
     Parameters
     ----------
     source : str, os.PathLike or Document
-        A Document is returned as is. A path, or a string naming an existing file, is read
-        from disk (PDF or UTF-8 text). A short one-line string ending in a known suffix
-        (``.pdf``, ``.txt``, ``.md``, ...) that does not exist is an error; any other string
-        is the document text itself.
+        A Document is returned as is. A path (``os.PathLike``) is read from disk (PDF or UTF-8
+        text). A string is a file name only when it is one short line ending in a document
+        suffix (``.pdf``, ``.txt``, ``.md``, ...), and then the file must exist; any other
+        string is the document text itself, so text from a user (``"/etc/passwd"``,
+        ``"~/.ssh/id_rsa"``) is never read from disk. Pass a :class:`~pathlib.Path` to read a
+        file of another name.
 
     Returns
     -------
@@ -147,12 +149,8 @@ def load_document(source: str | os.PathLike[str] | Document) -> Document:
         return _read_file(Path(source).expanduser())
     if not isinstance(source, str):
         raise TypeError(f"expected a path, text or Document, got {type(source).__name__}")
-    if _could_be_path(source):
-        path = Path(source).expanduser()
-        if _exists(path):
-            return _read_file(path)
-        if path.suffix.lower() in KNOWN_SUFFIXES:
-            raise DocumentError(f"no such file: {source}")
+    if _names_document_file(source):
+        return _read_file(Path(source).expanduser())
     return document_from_text(source)
 
 
@@ -201,8 +199,11 @@ def looks_glued(text: str) -> bool:
 # -- files ----------------------------------------------------------------------------------
 
 
-def _could_be_path(text: str) -> bool:
-    return bool(text) and "\n" not in text and len(text) < _MAX_PATH_CHARS
+def _names_document_file(text: str) -> bool:
+    """Whether a string is a document's file name rather than its text (see :func:`load_document`)."""
+    if not text or "\n" in text or len(text) >= _MAX_PATH_CHARS:
+        return False
+    return Path(text.strip()).suffix.lower() in KNOWN_SUFFIXES and text == text.strip()
 
 
 def _exists(path: Path) -> bool:

@@ -324,6 +324,15 @@ def test_missing_pathlib_path_is_an_error(tmp_path):
         load_document(tmp_path / "whatever")
 
 
+def test_strings_naming_other_files_are_text_not_read(write):
+    """Text from a user is never read from disk: only a document file name (.pdf, .txt, ...) is."""
+    secret = write("id_rsa", "PRIVATE KEY")
+    for text in (str(secret), "/etc/passwd", "~/.ssh/id_rsa"):
+        doc = load_document(text)
+        assert doc.text == text and doc.source is None
+    assert load_document(secret).text == "PRIVATE KEY"  # a Path is read
+
+
 def test_path_like_strings_with_newlines_are_text():
     assert load_document("see\nmissing.pdf").text == "see\nmissing.pdf"
 
