@@ -147,6 +147,11 @@ def test_a_document_is_uploaded_read_and_answered_with_its_pages(server, client)
     extras = answer.model_extra["semanticache"]
     assert extras["document_id"] == document["id"] and extras["pages"] and extras["routing"] == "bm25"
     assert answer.usage.prompt_tokens_details.cached_tokens > 100  # the document came from its cache
+    completion = client.completions.create(
+        model="tiny", prompt="Which RFC specifies koi8-r?", max_tokens=6, extra_body={"document_id": document["id"]}
+    )
+    assert completion.model_extra["semanticache"]["document_id"] == document["id"]
+    assert completion.usage.prompt_tokens_details.cached_tokens > 100
     assert http(server, "DELETE", f"/v1/documents/{document['id']}").json()["deleted"] is True
     assert http(server, "GET", f"/v1/documents/{document['id']}").status_code == 404
 

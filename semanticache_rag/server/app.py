@@ -4,8 +4,9 @@ Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming with
 events; usage reports ``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``GET /health``,
 and documents: ``POST /v1/documents`` (a PDF or text file as multipart ``file``, or JSON
 ``{"text", "name"}``), ``GET /v1/documents[/{id}]``, ``DELETE /v1/documents/{id}``. A chat request
-with ``"document_id"`` is answered from that document's cache (any length); any other prompt goes
-through the prompt cache (registered documents, then the longest prefix of a prompt seen before).
+with ``"document_id"`` (a completion request too: its prompt is the question) is answered from that
+document's cache (any length); any other prompt goes through the prompt cache (registered
+documents, then the longest prefix of a prompt seen before).
 ``GET /`` is the web page. FastAPI (with Starlette's streaming responses for the events) and
 uvicorn: the stack llama.cpp-style OpenAI servers in Python use; nothing else.
 """
@@ -95,26 +96,29 @@ def create_app(engine, *, api_key: str | None = None, prompt_cache=None, limits:
         stream = prompts.stream(prompt, **options)  # may prefill a registered document: in a worker thread
         return _Generation(stream, lambda: stream.answer)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat(body: ChatRequest):
+    def generation(body: ChatRequest | CompletionRequest, prompt):
         options = body.options(limits.new_tokens)
         if body.document_id is not None:
-            make = functools.partial(_document_chat, engine, library, body, options)
-        else:
-            make = functools.partial(prompted, body.role_dicts(), options)
+            return functools.partial(_document_chat, engine, library, body, options)
+        return functools.partial(prompted, prompt, options)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(body: ChatRequest):
+        make = generation(body, body.role_dicts())
         return await _respond(make, Reply(engine.model_name, chat=True), body, slots)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def complete(body: CompletionRequest):
-        make = functools.partial(prompted, body.text(), body.options(limits.new_tokens))
+        make = generation(body, body.text())
         return await _respond(make, Reply(engine.model_name, chat=False), body, slots)
 
     _document_routes(app, library, limits, guarded)
     return app
 
 
-def _document_chat(engine, library, body: ChatRequest, options: dict) -> _Generation:
-    """A chat request about an uploaded document: its messages as turns over the document's cache."""
+def _document_chat(engine, library, body: ChatRequest | CompletionRequest, options: dict) -> _Generation:
+    """A request about an uploaded document: its messages (a completion's prompt: one question) as
+    turns over the document's cache."""
     served = library.get(body.document_id)
     if served is None:
         raise HTTPException(404, f"no document {body.document_id}; upload it to /v1/documents first")

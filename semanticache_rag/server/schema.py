@@ -34,6 +34,7 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
+    document_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
     repetition_penalty: float | None = Field(default=None, gt=0)
     no_repeat_ngram_size: int | None = Field(default=None, ge=0)
     loop_guard: bool | None = None
@@ -87,7 +88,6 @@ class Message(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    document_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
     tools: list | None = None
 
     @field_validator("tools")
@@ -111,6 +111,10 @@ class CompletionRequest(_Request):
                 raise ConfigError("send one prompt per request")
             return self.prompt[0]
         return self.prompt
+
+    def role_dicts(self) -> list[dict[str, str]]:
+        """The prompt as one user message (a completion about a document is one question)."""
+        return [{"role": "user", "content": self.text()}]
 
 
 def usage(answer) -> dict:
