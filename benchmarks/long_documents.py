@@ -13,6 +13,7 @@ every ratio), then every question is answered, on the same token ids with greedy
     python -m benchmarks.long_documents                          # the README table (hours on 2 cores)
     python -m benchmarks.long_documents --lengths 16000 --samples 1 --tasks qa_1
     python -m benchmarks.long_documents --pdf R-exts.pdf         # one real manual, five questions
+    python -m benchmarks.long_documents --report-only            # tables and plot from the rows so far
 
 Rows are appended to ``OUT/long_documents.jsonl`` as they are computed; a run started again skips
 the contexts already there.
@@ -235,14 +236,15 @@ def tables(rows: list[dict]) -> str:
         routed = [r["gold_routed"] for r in group if r["method"] in ("sections", "text_rag")]
         cells.append(f"{100 * statistics.mean(routed):.0f}%" if routed else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    cost = ["| method | time to first token (s) | per question (s) | read (tok/s) | kept (MiB per 1K tokens) |"]
-    cost.append("|---|---|---|---|---|")
+    cost = ["| method | time to first token (s) | per question (s) | read (tok/s) | kept (MiB per 1K tokens) | working KV (MiB) |"]
+    cost.append("|---|---|---|---|---|---|")
     for name in labels:
         group = [r for r in rows if label(r) == name]
         rate = _mean([r["tokens"] / r["read_s"] for r in group if r.get("read_s")], "{:.0f}")
         kept = _mean([r["stored_bytes"] / 2**20 / r["tokens"] * 1000 for r in group if r.get("stored_bytes")], "{:.1f}")
         ttft, total = _mean(r["ttft_s"] for r in group), _mean(r["total_s"] for r in group)
-        cost.append(f"| {name} | {ttft} | {total} | {rate} | {kept} |")
+        working = _mean(r["kv_bytes"] / 2**20 for r in group)
+        cost.append(f"| {name} | {ttft} | {total} | {rate} | {kept} | {working} |")
     return "\n".join(lines) + "\n\n" + "\n".join(cost)
 
 
@@ -302,10 +304,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--pdf", type=Path, default=None, help="instead: one real PDF, the questions of --questions")
+    parser.add_argument("--report-only", action="store_true", help="write the tables and plot from OUT's rows")
     args = parser.parse_args()
     if 0.0 not in args.ratios:
         parser.error("--ratios must include 0 (text RAG and the gold sections use the uncompressed selection)")
     started = time.perf_counter()
+    raw = args.out / "long_documents.jsonl"
+    if args.report_only:
+        report(raw, args, started)
+        return
     torch.manual_seed(args.seed)
     engine = Engine.from_pretrained(args.model, section_tokens=args.section_tokens)
     if args.pdf is not None:
@@ -316,25 +323,32 @@ def main() -> None:
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = sorted(build(args.tasks, args.lengths, args.samples, count, args.seed), key=lambda c: c.length)
     args.out.mkdir(parents=True, exist_ok=True)
-    raw = args.out / "long_documents.jsonl"
     done = {json.loads(line)["context_id"] for line in open(raw)} if raw.exists() else set()
     rate = plain_prefill_rate(engine, contexts[0].document)
     for context in tqdm([c for c in contexts if c.context_id not in done], desc="contexts", unit="ctx"):
         rows = run_context(engine, context, args.ratios, args.max_sections, args.positions, args.skip)
         with open(raw, "a") as handle:
             handle.writelines(json.dumps(r | {"plain_prefill_tok_s": rate}) + "\n" for r in rows)
+    report(raw, args, started)
+
+
+def report(raw: Path, args, started: float) -> None:
+    """Tables (``long_documents.md``) and plot (``long_documents.png``) of every row in ``raw``."""
     rows = [json.loads(line) for line in open(raw)]
-    report = tables(rows)
+    contexts = {(r["task"], r["length"], r["context_id"]) for r in rows}
+    counts = ", ".join(
+        f"{n // 1000}K: {sum(1 for c in contexts if c[1] == n)}" for n in sorted({c[1] for c in contexts})
+    )
+    rate = statistics.median(r["plain_prefill_tok_s"] for r in rows)
     settings = (
-        f"Tasks {', '.join(args.tasks)}; lengths {args.lengths}; {args.samples} context(s) per task and length; "
-        f"sections of at most {args.section_tokens} tokens; greedy, {NEW_TOKENS} new tokens; score = RULER string "
-        f"match %, questions per cell in brackets. Plain prefill of one section: {rate:.0f} tok/s."
+        f"Tasks {', '.join(sorted({r['task'] for r in rows}))}; contexts per length {counts}; sections of at most "
+        f"{args.section_tokens} tokens; greedy, {NEW_TOKENS} new tokens; score = RULER string match %, questions "
+        f"per cell in brackets. Plain prefill of one section: {rate:.0f} tok/s."
     )
-    (args.out / "long_documents.md").write_text(
-        f"# Long documents\n\n{settings}\n\n{report}\n\n{environment(started)}\n"
-    )
+    text = tables(rows)
+    (args.out / "long_documents.md").write_text(f"# Long documents\n\n{settings}\n\n{text}\n\n{environment(started)}\n")
     plot(rows, args.out / "long_documents.png")
-    print(report)
+    print(text)
 
 
 if __name__ == "__main__":
