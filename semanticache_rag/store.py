@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -32,12 +31,20 @@ from pathlib import Path
 
 from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.documents import Document
-from semanticache_rag.errors import ConfigError, StoreError
-from semanticache_rag.models import home_dir
+from semanticache_rag.errors import StoreError
 from semanticache_rag.sections import SectionedCache
 from semanticache_rag.store_documents import load_document_text
+from semanticache_rag.store_entries import (
+    StoredEntry,
+    budget_bytes,
+    default_directory,
+    entry_paths,
+    list_entries,
+    parse_bytes,
+    read_entry,
+    resolve_id,
+)
 from semanticache_rag.store_format import (
-    ENTRY_ID,
     EntryRejected,
     atomic_write,
     build_manifest,
@@ -52,12 +59,11 @@ from semanticache_rag.store_format import (
 )
 from semanticache_rag.store_key import CacheKey
 from semanticache_rag.store_sections import (
-    SECTIONS_SUFFIX,
     SectionFiles,
     SectionRejected,
-    folder_bytes,
     load_sectioned,
     remove_folder,
+    remove_unfinished,
     sectioned_records,
     sections_folder,
 )
@@ -70,21 +76,6 @@ DEFAULT_MEMORY_BUDGET = 2 * 2**30  # ~7 full caches of a 6K-token document on th
 DEFAULT_DISK_BUDGET = 10 * 2**30
 LEFTOVER_AGE_S = 3600  # temporary and orphaned files older than this are left by a crash
 LOCK_TIMEOUT_S = 1800.0  # then read the document without the lock rather than wait forever
-_ID_PREFIX = re.compile(r"[0-9a-f]{4,64}")
-
-
-def default_directory() -> Path:
-    """``$SEMANTICACHE_STORE_DIR``, else ``caches`` under :func:`~semanticache_rag.models.home_dir`."""
-    override = os.environ.get("SEMANTICACHE_STORE_DIR")
-    return Path(override).expanduser() if override else home_dir() / "caches"
-
-
-def parse_bytes(text: str) -> int:
-    """``"2G"``, ``"512MiB"``, ``"1.5GB"`` or ``"1000"`` as bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-    if not match:
-        raise ConfigError(f"cannot read {text!r} as a size; use bytes or a number with K, M, G or T (e.g. 2G)")
-    return int(float(match[1]) * 1024 ** " kmgt".index(match[2] or " "))
 
 
 AnyCache = DocumentCache | SectionedCache  # what the store keeps: a document read whole, or in sections
@@ -93,15 +84,6 @@ AnyCache = DocumentCache | SectionedCache  # what the store keeps: a document re
 def _held_nbytes(cache: AnyCache) -> int:
     """Memory a cache holds: its tensors plus host-side zoom state (SeKV), where there is any."""
     return cache.nbytes + getattr(cache, "host_nbytes", 0)
-
-
-def _budget(value: int | str | None, variable: str, default: int) -> int:
-    if value is None:
-        value = os.environ.get(variable) or default
-    budget = parse_bytes(value) if isinstance(value, str) else int(value)
-    if budget < 0:
-        raise ConfigError(f"{variable.removeprefix('SEMANTICACHE_').lower()} must be >= 0 bytes, got {budget}")
-    return budget
 
 
 @dataclass
@@ -113,16 +95,6 @@ class StoreStats:
     misses: int = 0
     rejected: int = 0
     writes: int = 0
-
-
-@dataclass(frozen=True)
-class StoredEntry:
-    """One entry on disk: its manifest (``None`` when unreadable), bytes on disk, last use (epoch s)."""
-
-    id: str
-    manifest: dict | None
-    disk_bytes: int
-    last_used: float
 
 
 class DocumentStore:
@@ -148,8 +120,10 @@ class DocumentStore:
         lock_timeout_s: float = LOCK_TIMEOUT_S,
     ):
         self.directory = Path(directory).expanduser() if directory is not None else default_directory()
-        self.memory_budget_bytes = _budget(memory_budget_bytes, "SEMANTICACHE_MEMORY_BUDGET", DEFAULT_MEMORY_BUDGET)
-        self.disk_budget_bytes = _budget(disk_budget_bytes, "SEMANTICACHE_DISK_BUDGET", DEFAULT_DISK_BUDGET)
+        self.memory_budget_bytes = budget_bytes(
+            memory_budget_bytes, "SEMANTICACHE_MEMORY_BUDGET", DEFAULT_MEMORY_BUDGET
+        )
+        self.disk_budget_bytes = budget_bytes(disk_budget_bytes, "SEMANTICACHE_DISK_BUDGET", DEFAULT_DISK_BUDGET)
         self.lock_timeout_s = lock_timeout_s
         self.stats = StoreStats()
         self._memory: OrderedDict[str, AnyCache] = OrderedDict()
@@ -252,9 +226,7 @@ class DocumentStore:
     # -- disk tier ------------------------------------------------------------------------
 
     def _paths(self, entry_id: str) -> tuple[Path, Path]:
-        if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
-            raise ConfigError(f"invalid cache id {entry_id!r}: expected 64 hex digits")
-        return self.directory / f"{entry_id}.json", self.directory / f"{entry_id}.safetensors"
+        return entry_paths(self.directory, entry_id)
 
     def _from_disk(self, key: CacheKey, document: Document, spec: ModelSpec):
         """(cache or ``None``, whether the entry may be written): a cache that failed to load for a
@@ -402,38 +374,14 @@ class DocumentStore:
     def _remove_leftovers(self, older_than_s: float) -> None:
         last_used = min([e.last_used for e in self.entries()] + [time.time()])
         remove_leftovers(self.directory, older_than_s, last_used)
-        cutoff = time.time() - older_than_s
-        with contextlib.suppress(OSError):  # sections of reads that never finished (crashed, interrupted)
-            for folder in self.directory.glob(f"*{SECTIONS_SUFFIX}"):
-                entry_id = folder.name.removesuffix(SECTIONS_SUFFIX)
-                if not ENTRY_ID.fullmatch(entry_id) or (self.directory / f"{entry_id}.json").exists():
-                    continue
-                if folder.stat().st_mtime < cutoff and not is_locked(self._lock_path(entry_id)):
-                    remove_folder(folder)
+        locked = lambda entry_id: is_locked(self._lock_path(entry_id))  # noqa: E731
+        remove_unfinished(self.directory, time.time() - older_than_s, locked)
 
     # -- listing and removing -------------------------------------------------------------
 
     def entries(self) -> list[StoredEntry]:
         """Every entry on disk, least recently used first."""
-        found = []
-        with contextlib.suppress(OSError):
-            for path in self.directory.glob("*.json"):
-                if ENTRY_ID.fullmatch(path.stem):
-                    with contextlib.suppress(OSError):
-                        found.append(self._entry(path.stem))
-        return sorted(found, key=lambda e: e.last_used)
-
-    def _entry(self, entry_id: str) -> StoredEntry:
-        manifest_path, tensors_path = self._paths(entry_id)
-        stat = manifest_path.stat()
-        try:
-            manifest = json.loads(manifest_path.read_bytes())
-            manifest = manifest if isinstance(manifest, dict) else None
-        except ValueError:
-            manifest = None
-        tensor_bytes = tensors_path.stat().st_size if tensors_path.exists() else 0
-        tensor_bytes += folder_bytes(sections_folder(self.directory, entry_id))
-        return StoredEntry(entry_id, manifest, stat.st_size + tensor_bytes, stat.st_mtime)
+        return list_entries(self.directory)
 
     @property
     def disk_bytes(self) -> int:
@@ -441,32 +389,14 @@ class DocumentStore:
         return sum(e.disk_bytes for e in self.entries())
 
     def resolve(self, id_or_prefix: str) -> str:
-        """The full id of the one entry whose id starts with ``id_or_prefix`` (at least 4 hex digits).
-
-        Raises
-        ------
-        ConfigError
-            ``id_or_prefix`` is not hex (ids never name paths other than the store's own files).
-        StoreError
-            No entry, or more than one, has that prefix.
-        """
-        prefix = str(id_or_prefix).strip().lower()
-        if not _ID_PREFIX.fullmatch(prefix):
-            raise ConfigError(
-                f"invalid cache id {id_or_prefix!r}: use 4 to 64 hex digits of an id that `semanticache-rag cache list`"
-                " shows"
-            )
-        matches = [e.id for e in self.entries() if e.id.startswith(prefix)]
-        if len(matches) != 1:
-            found = "no cache entry" if not matches else f"{len(matches)} cache entries"
-            raise StoreError(f"{found} with id {prefix} in {self.directory}; see `semanticache-rag cache list`")
-        return matches[0]
+        """The full id of the one entry whose id starts with ``id_or_prefix`` (see :func:`resolve_id`)."""
+        return resolve_id(self.directory, id_or_prefix)
 
     def info(self, id_or_prefix: str) -> StoredEntry:
         """The entry with this id or unique id prefix (see :meth:`resolve`)."""
         entry_id = self.resolve(id_or_prefix)
         try:
-            return self._entry(entry_id)
+            return read_entry(self.directory, entry_id)
         except OSError as exc:
             raise StoreError(f"cannot read cache entry {entry_id[:12]}: {exc}") from exc
 

@@ -12,6 +12,7 @@ removed after a while (:func:`~semanticache_rag.store_format.remove_leftovers`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -21,6 +22,7 @@ from semanticache_rag.cache import ModelSpec
 from semanticache_rag.documents import Document
 from semanticache_rag.sections import SectionedCache
 from semanticache_rag.store_format import (
+    ENTRY_ID,
     LOAD_ERRORS,
     EntryRejected,
     atomic_write,
@@ -107,6 +109,18 @@ class SectionFiles:
             )
             return
         self.records[k] = record
+
+
+def remove_unfinished(directory: Path, cutoff: float, locked) -> None:
+    """Delete section folders without a manifest (reads that crashed or were interrupted) last
+    written before ``cutoff`` (epoch s), unless ``locked(entry_id)``: a read still under way."""
+    with contextlib.suppress(OSError):
+        for folder in directory.glob(f"*{SECTIONS_SUFFIX}"):
+            entry_id = folder.name.removesuffix(SECTIONS_SUFFIX)
+            if not ENTRY_ID.fullmatch(entry_id) or (directory / f"{entry_id}.json").exists():
+                continue
+            if folder.stat().st_mtime < cutoff and not locked(entry_id):
+                remove_folder(folder)
 
 
 def sectioned_records(cache: SectionedCache, files: SectionFiles, head_sha256: str, head_bytes: int) -> dict | None:
