@@ -236,7 +236,10 @@ def tables(rows: list[dict]) -> str:
         routed = [r["gold_routed"] for r in group if r["method"] in ("sections", "text_rag")]
         cells.append(f"{100 * statistics.mean(routed):.0f}%" if routed else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    cost = ["| method | time to first token (s) | per question (s) | read (tok/s) | kept (MiB per 1K tokens) | working KV (MiB) |"]
+    cost = [
+        "| method | time to first token (s) | per question (s) | read (tok/s) | kept (MiB per 1K tokens) "
+        "| working KV (MiB) |"
+    ]
     cost.append("|---|---|---|---|---|---|")
     for name in labels:
         group = [r for r in rows if label(r) == name]

@@ -98,7 +98,7 @@ def greedy_seed_clustering(
     for p in range(layout.width):
         # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
         members = unassigned & joins[:, :, p, :] & unassigned[:, :, p, None]
-        seed_slot[members] = p
+        seed_slot.masked_fill_(members, p)
         unassigned &= ~members
     slots = seed_slot[:, layout.token_chunk, layout.token_slot]  # (H, N)
     return layout.chunk_start[layout.token_chunk] + slots
