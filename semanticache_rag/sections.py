@@ -270,12 +270,12 @@ class SectionedCache:
         return {compact: [section_positions(s, compact) for s in self.sections] for compact in (True, False)}
 
     def positions_needed(self, chosen: list[int], compact: bool = True) -> int:
-        """Positions the head and ``chosen`` sections take, spliced in document order."""
-        chosen = sorted(chosen)
-        if not chosen:
-            return self.head.length
-        steps = sum(self._extents[compact][k] for k in chosen[:-1])
-        return self.head.length + steps + self.sections[chosen[-1]].length
+        """Positions the head and ``chosen`` sections take, spliced in document order (see :meth:`splice`)."""
+        start, end = self.head.length, self.head.length
+        for k in sorted(chosen):
+            end = max(end, start + self.sections[k].length)
+            start += self._extents[compact][k]
+        return end
 
     def fit(self, order: list[int], room: int, compact: bool = True, limit: int | None = None) -> list[int]:
         """The leading sections of ``order`` (at most ``limit``) that fit ``room`` positions, in document order.
@@ -329,11 +329,13 @@ class SectionedCache:
     ) -> DocumentCache:
         """The head and ``chosen`` sections (document order) as one working :class:`DocumentCache`."""
         head = self.head.length
-        deltas, start = [], head
+        deltas, start, end = [], head, head
         for k in chosen:
             deltas.append(start - head)  # each section was read at positions head..head + n
+            # compact: the next section starts after this one's entries, but this one's keys keep their
+            # own span, and what follows the splice starts after every one of them
+            end = max(end, start + self.sections[k].length)
             start += section_positions(self.sections[k], compact)
-        end = head + deltas[-1] + self.sections[chosen[-1]].length
         layers = tuple(
             splice_layers(
                 [(self.head.layers[i], 0)] + [(self.sections[k].layers[i], d) for k, d in zip(chosen, deltas)],

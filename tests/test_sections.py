@@ -172,6 +172,19 @@ def test_splicing_places_each_section_behind_the_previous_ones_entries(long_engi
         assert at == layer.keys.shape[2]
 
 
+def test_what_follows_a_splice_comes_after_every_sections_keys(long_engine, long_text):
+    """Compact: a long section followed by a short one still ends before the question starts."""
+    long_engine.compressor = SemantiCacheCompressor(0.75)
+    cache = long_engine.read(long_text[:9000], progress=False)
+    head, lengths = cache.head.length, [s.length for s in cache.sections]
+    short = min(range(1, len(lengths)), key=lambda k: lengths[k])
+    step = max(layer.keys.shape[2] for layer in cache.sections[0].layers)
+    assert step + lengths[short] < lengths[0]  # the case: section 0's keys reach past the short one's end
+    selection = cache.select(long_engine, "anything", 10_000)
+    spliced = cache.splice([0, short], long_engine.rope_frequencies, selection, compact=True)
+    assert spliced.positions == head + lengths[0] == cache.positions_needed([0, short])
+
+
 def test_compression_buys_breadth_with_compact_positions(tiny_llama, tiny_tokenizer, long_text):
     def sections_used(engine, cache, positions):
         engine.positions = positions
