@@ -61,15 +61,19 @@ def rope_frequencies(model: torch.nn.Module) -> list[torch.Tensor]:
 def rotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """``keys`` (1, H, L, D), rotated at positions ``p``, as if they had been at ``p + delta``.
 
-    Uses the ``rotate_half`` layout of transformers' RoPE models; computed in float32 and returned
-    in ``keys.dtype``. ``delta`` may be negative.
+    Uses the ``rotate_half`` layout of transformers' RoPE models; with partial rotary embeddings
+    (``2 * len(inv_freq) < D``, e.g. Phi) only the first ``2 * len(inv_freq)`` channels turn, as
+    there. Angles, cosines and sines in float64 (exact for large deltas), the rotation in float32,
+    returned in ``keys.dtype``. ``delta`` may be negative.
     """
     if delta == 0:
         return keys
-    angles = float(delta) * inv_freq.to(keys.device, torch.float64)  # float64 angle, exact for large deltas
-    emb = torch.cat((angles, angles)).float()
-    cos, sin = emb.cos(), emb.sin()
+    angles = float(delta) * inv_freq.to(keys.device, torch.float64)
+    emb = torch.cat((angles, angles))
+    cos, sin = emb.cos().float(), emb.sin().float()
     x = keys.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).to(keys.dtype)
+    width = emb.numel()
+    turned, kept = x[..., :width], x[..., width:]
+    half = width // 2
+    rotated = torch.cat((-turned[..., half:], turned[..., :half]), dim=-1)
+    return torch.cat((turned * cos + rotated * sin, kept), dim=-1).to(keys.dtype)

@@ -13,6 +13,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Words: runs of two or more word characters, except Chinese and Japanese characters, which are
+# written without spaces and count one character a word (bm25s's default pattern would make a whole
+# unspaced sentence one word, which no question matches).
+_HAN_KANA = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+TOKEN_PATTERN = rf"(?u)[{_HAN_KANA}]|(?:(?![{_HAN_KANA}])\w){{2,}}"
+
 
 class BM25Router:
     """Scores sections against a question with BM25.
@@ -29,17 +35,20 @@ class BM25Router:
         import bm25s
 
         self._bm25s = bm25s
-        tokens = bm25s.tokenize(texts, stopwords="en", show_progress=False)
-        self._index = bm25s.BM25()
-        self._index.index(tokens, show_progress=False)
         self.size = len(texts)
+        tokens = bm25s.tokenize(texts, stopwords="en", show_progress=False, token_pattern=TOKEN_PATTERN)
+        self._index = None  # a document of stopwords and numbers only has nothing to index: nothing matches
+        if tokens.vocab:
+            self._index = bm25s.BM25()
+            self._index.index(tokens, show_progress=False)
 
     def scores(self, question: str) -> np.ndarray:
         """BM25 score of every section (S,), 0 where it shares no word with ``question``."""
-        words = self._bm25s.tokenize([question], stopwords="en", show_progress=False, return_ids=False)[0]
-        if not words:
+        tokenize = self._bm25s.tokenize
+        words = tokenize([question], stopwords="en", show_progress=False, return_ids=False, token_pattern=TOKEN_PATTERN)
+        if self._index is None or not words[0]:
             return np.zeros(self.size, dtype=np.float32)
-        return np.asarray(self._index.get_scores(words), dtype=np.float32)
+        return np.asarray(self._index.get_scores(words[0]), dtype=np.float32)
 
 
 def ranking(scores: np.ndarray) -> list[int]:

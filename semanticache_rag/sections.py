@@ -51,6 +51,9 @@ def _break_strength(text: str, offsets: list[int], page_starts: list[int]) -> li
     strength = [3] * len(offsets)
     for t in range(1, len(offsets)):
         before, at = offsets[t - 1], offsets[t]
+        if at == before:  # byte pieces of one character (byte-level BPE): never cut between them
+            strength[t] = 0
+            continue
         if bisect.bisect_right(page_starts, at) > bisect.bisect_right(page_starts, before):
             continue  # a page starts between the two tokens
         tail = text[max(0, at - 8) : at].rstrip(" \t")

@@ -325,18 +325,19 @@ class DocumentStore:
             "Ignoring stored cache %s in %s (%s); reading the document again", entry_id[:12], self.directory, reason
         )
         if delete:
-            try:
-                self._delete(entry_id)
+            try:  # a long document's sections are checked one by one as the read that follows resumes
+                self._delete(entry_id, sections=False)
                 return
             except OSError:
                 pass
         self._ignored.add(entry_id)  # kept on disk: skipped, and not reported again, by this process
 
-    def _delete(self, entry_id: str, memory: bool = True) -> None:
+    def _delete(self, entry_id: str, memory: bool = True, sections: bool = True) -> None:
         manifest_path, tensors_path = self._paths(entry_id)
         manifest_path.unlink(missing_ok=True)  # first: the entry is gone before its tensors are
         tensors_path.unlink(missing_ok=True)
-        remove_folder(sections_folder(self.directory, entry_id))
+        if sections:
+            remove_folder(sections_folder(self.directory, entry_id))
         if memory:
             with self._memory_lock:
                 self._memory.pop(entry_id, None)

@@ -80,6 +80,14 @@ def test_moving_semantic_cores_equals_merging_moved_keys(tiny_engine, document_t
         assert_close(core_values, moved_core_values)
 
 
+def test_partial_rotary_keys_turn_only_their_rotary_channels():
+    keys, inv_freq = torch.randn(1, 2, 5, 64), 1.0 / 10000 ** (torch.arange(0, 48, 2).float() / 48)  # 48 of 64
+    moved = rotate_keys(keys, 300, inv_freq)
+    assert torch.equal(moved[..., 48:], keys[..., 48:])
+    assert torch.equal(moved[..., :48], rotate_keys(keys[..., :48].contiguous(), 300, inv_freq))
+    assert_close(rotate_keys(moved, -300, inv_freq), keys)
+
+
 def test_rotary_scaling_that_depends_on_length_is_refused(tiny_tokenizer):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -294,6 +302,26 @@ def test_sekv_zooms_into_spliced_sections_and_exact_spans_give_the_plain_answer(
     plain, sekv = answers["plain"], answers["sekv"]
     assert sekv.sections == plain.sections and sekv.spans_expanded > 0 and sekv.host_bytes > 0
     assert sekv.completion_ids == plain.completion_ids
+
+
+def test_sections_never_cut_a_character_into_its_byte_pieces():
+    from semanticache_rag.sections import _break_strength
+
+    # "a.\n\n東京": byte-level BPE gives each of 東's and 京's three byte pieces the character's offset
+    assert _break_strength("a.\n\n東京", [0, 1, 2, 3, 4, 4, 4, 5, 5, 5], []) == [3, 0, 1, 1, 2, 0, 0, 0, 0, 0]
+
+
+def test_bm25_matches_unspaced_chinese_and_japanese():
+    from semanticache_rag.routing import BM25Router
+
+    router = BM25Router(["東京は日本の首都です。", "大阪の食べ物はたこ焼きです。", "Osaka is in Kansai."])
+    assert router.scores("大阪の食べ物は何ですか？").argmax() == 1 and router.scores("Where is Osaka?").argmax() == 2
+
+
+def test_bm25_over_a_document_without_words_matches_nothing_instead_of_failing():
+    from semanticache_rag.routing import BM25Router
+
+    assert not BM25Router(["1 2 3 4", "the a of 5"]).scores("What is 1?").any()
 
 
 @pytest.mark.parametrize("routing", ["attention", "hybrid"])

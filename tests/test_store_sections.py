@@ -123,6 +123,28 @@ def test_a_damaged_section_alone_is_read_again(engine, long_text, caplog, monkey
     assert third.store.stats.disk_hits == 1 and third.store.stats.rejected == 0
 
 
+def test_a_damaged_head_is_read_again_and_the_intact_sections_are_kept(engine, long_text, caplog, monkeypatch):
+    expected = engine.ask(engine.read(long_text, progress=False), QUESTION, max_new_tokens=6).completion_ids
+    _, entry_id = sections_folder(engine, long_text)
+    head = engine.store.directory / f"{entry_id}.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-20] ^= 0xFF
+    head.write_bytes(bytes(data))
+    reads = []
+    original = StreamingLLMCompressor.compress_cache
+    monkeypatch.setattr(
+        StreamingLLMCompressor, "compress_cache", lambda self, *a: reads.append(1) or original(self, *a)
+    )
+    again = fresh(engine)
+    cache = again.read(long_text, progress=False)
+    assert again.store.stats.rejected == 1 and "checksum" in caplog.text
+    assert reads == []  # every section was loaded from its own checked file, none read again
+    assert again.ask(cache, QUESTION, max_new_tokens=6).completion_ids == expected
+    third = fresh(engine)
+    third.read(long_text, progress=False)
+    assert third.store.stats.disk_hits == 1 and third.store.stats.rejected == 0
+
+
 def test_an_entry_that_fails_for_another_reason_is_kept(engine, long_text, monkeypatch, caplog):
     engine.read(long_text, progress=False)
     folder, entry_id = sections_folder(engine, long_text)
