@@ -79,7 +79,7 @@ class AttentionRouter:
     Every ``window`` entries of a section become one summary entry (mean key and value, bias
     ``log`` of the tokens it stands for); the question runs once over the prompt head and every
     section's summary (each at its own positions, as it was read); a section scores the largest
-    attention one of its entries gets (max over heads and question tokens, summed over layers).
+    attention one of its entries gets in each layer (max over heads and question tokens), summed over layers.
     """
 
     name = "attention"
@@ -95,8 +95,10 @@ class AttentionRouter:
             ones = keys.new_ones(head_layer.keys.shape[:3], dtype=torch.float32)
             sizes = torch.cat([ones] + [p[2] for p in parts], 2)
             layers.append(LayerKV(keys, values, sizes.round().to(torch.int32)))
-        counts = [head.length] + [-(-section.layers[0].keys.shape[2] // window) for section in sections]
-        self.owners = torch.repeat_interleave(torch.arange(-1, len(sections)), torch.tensor(counts))  # -1: the head
+        self.owners = []  # per layer, the section of each summary entry (-1: the head); layers may differ in entries
+        for i in range(len(head.layers)):
+            counts = [head.length] + [-(-section.layers[i].keys.shape[2] // window) for section in sections]
+            self.owners.append(torch.repeat_interleave(torch.arange(-1, len(sections)), torch.tensor(counts)))
         self.layers = tuple(layers)
         self.start = head.length + max(section.length for section in sections)
 
@@ -104,27 +106,34 @@ class AttentionRouter:
         """Score of every section (S,) for the question's tokens ``tail``."""
         from semanticache_rag.kv import ConversationKV
 
-        total = torch.zeros(self.owners.numel())
+        total = torch.zeros(self.size)
 
         def observe(layer_idx, query, document, scaling):
             batch, heads, _, dim = query.shape
             q = query.reshape(batch, document.keys.shape[1], -1, dim)
             logits = (q @ document.keys.transpose(-1, -2)).float() * scaling + document.log_sizes[:, :, None, :]
-            total.add_(torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu())
+            attention = torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu()
+            owners = self.owners[layer_idx]
+            mask = owners >= 0
+            best = torch.zeros(self.size).scatter_reduce_(0, owners[mask], attention[mask], reduce="amax")
+            total.add_(best)
 
         kv = ConversationKV(self.layers)
         kv.observe = observe
         engine.forward(kv, tail, self.start)
-        best = torch.full((self.size,), 0.0)
-        mask = self.owners >= 0
-        best.scatter_reduce_(0, self.owners[mask], total[mask], reduce="amax")
-        return best.numpy()
+        return total.numpy()
 
 
 def fused_ranking(*score_lists: np.ndarray, k: int = 60) -> list[int]:
-    """Reciprocal rank fusion (Cormack et al. 2009) of several scorings, best first."""
+    """Reciprocal rank fusion (Cormack et al. 2009) of several scorings, best first.
+
+    Equal scores share a rank (sections BM25 scores 0 are all last, not ranked in document order).
+    """
     fused = np.zeros(len(score_lists[0]))
     for scores in score_lists:
-        for rank, index in enumerate(ranking(scores)):
+        rank, previous = 0, None
+        for position, index in enumerate(ranking(scores)):
+            if scores[index] != previous:
+                rank, previous = position, scores[index]
             fused[index] += 1 / (k + rank + 1)
     return ranking(fused)

@@ -349,6 +349,7 @@ class SectionedCache:
         parts = [self.head] + [self.sections[k] for k in chosen]
         return replace(
             self.head,
+            document=self.document,  # the head's may be an earlier copy (a store hit renames the document)
             layers=layers,
             zoom=self._spliced_zoom(chosen, deltas, inv_freqs),
             prefix_ids=torch.cat([p.prefix_ids for p in parts]),

@@ -345,6 +345,22 @@ def test_the_models_own_routing_ranks_every_section(tiny_llama, tiny_tokenizer, 
     torch.testing.assert_close(keys[:, :, 0], layer.keys[:, :, :64].mean(2))
 
 
+def test_the_models_own_routing_over_layers_of_different_lengths(tiny_llama, tiny_tokenizer, long_text):
+    """A fixed tau merges each layer to its own number of entries: every layer's summaries score their sections."""
+    engine = Engine(
+        tiny_llama,
+        tiny_tokenizer,
+        model_name="tiny",
+        section_tokens=SECTION_TOKENS,
+        routing="attention",
+        compressor=SemantiCacheCompressor(tau=0.5),
+    )
+    cache = engine.read(long_text[:12000], progress=False)
+    assert len({layer.keys.shape[2] for layer in cache.sections[0].layers}) > 1
+    scores = cache.attention_router.scores(engine, [5, 6, 7])
+    assert scores.shape == (len(cache.sections),) and (scores > 0).all()
+
+
 def test_unknown_routing_is_refused(tiny_llama, tiny_tokenizer):
     with pytest.raises(ConfigError, match="routing must be one of"):
         Engine(tiny_llama, tiny_tokenizer, routing="psychic")

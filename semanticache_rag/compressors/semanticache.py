@@ -138,7 +138,7 @@ class SemantiCacheCompressor(Compressor):
         num_tokens = context.token_ids.numel()
         target = num_tokens if self.tau is not None else self.target_entries(num_tokens)
         protected = context.protected.clone()
-        if target >= num_tokens:  # nothing to remove
+        if target >= num_tokens and self.tau is None:  # nothing to remove (a fixed tau merges what it finds alike)
             return _Plan(ChunkLayout.from_chunk_ids(torch.arange(num_tokens)), protected, target)
         protected[: self.sink_tokens] = True
         window = self.window_tokens
