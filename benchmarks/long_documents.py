@@ -14,6 +14,7 @@ every ratio), then every question is answered, on the same token ids with greedy
     python -m benchmarks.long_documents --lengths 16000 --samples 1 --tasks qa_1
     python -m benchmarks.long_documents --pdf R-exts.pdf         # one real manual, five questions
     python -m benchmarks.long_documents --report-only            # tables and plot from the rows so far
+    python -m benchmarks.long_documents --read-speed --lengths 16000 --tasks qa_1   # reading vs plain prefill
 
 Rows are appended to ``OUT/long_documents.jsonl`` as they are computed; a run started again skips
 the contexts already there.
@@ -293,6 +294,30 @@ def plain_prefill_rate(engine: Engine, text: str) -> float:
     return len(ids) / (time.perf_counter() - started)
 
 
+def read_speed(engine: Engine, text: str, ratios, out: Path) -> dict:
+    """Tokens/s of ``engine.read`` (sections, each compressed as read) at each ratio, against one plain
+    prefill of a section's length, in one run (``read_speed.json``); no store, so every read is a read."""
+
+    result = {"plain_prefill_tok_s": plain_prefill_rate(engine, text)}
+    store, engine.store = engine.store, None
+    try:
+        for ratio in ratios:
+            engine.compressor = compressor(ratio)
+            started = time.perf_counter()
+            cache = engine.read(text, progress=False)
+            seconds = time.perf_counter() - started
+            result[f"read_tok_s_{ratio:g}"] = cache.length / seconds
+            result[f"compress_s_{ratio:g}"] = sum(s.compress_s for s in cache.sections)
+    finally:
+        engine.store = store
+    result |= {"tokens": cache.length, "sections": len(cache.sections), "section_tokens": engine.section_tokens}
+    result["ratio_of_plain"] = {
+        k: v / result["plain_prefill_tok_s"] for k, v in result.items() if k.startswith("read_")
+    }
+    (out / "read_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -308,6 +333,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--pdf", type=Path, default=None, help="instead: one real PDF, the questions of --questions")
     parser.add_argument("--report-only", action="store_true", help="write the tables and plot from OUT's rows")
+    parser.add_argument("--read-speed", action="store_true", help="only: read speed vs a plain prefill (first context)")
     args = parser.parse_args()
     if 0.0 not in args.ratios:
         parser.error("--ratios must include 0 (text RAG and the gold sections use the uncompressed selection)")
@@ -326,6 +352,9 @@ def main() -> None:
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = sorted(build(args.tasks, args.lengths, args.samples, count, args.seed), key=lambda c: c.length)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.read_speed:
+        print(json.dumps(read_speed(engine, contexts[0].document, args.ratios, args.out), indent=1))
+        return
     done = {json.loads(line)["context_id"] for line in open(raw)} if raw.exists() else set()
     rate = plain_prefill_rate(engine, contexts[0].document)
     for context in tqdm([c for c in contexts if c.context_id not in done], desc="contexts", unit="ctx"):
