@@ -238,17 +238,22 @@ def tables(rows: list[dict]) -> str:
         cells.append(f"{100 * statistics.mean(routed):.0f}%" if routed else "-")
         lines.append("| " + " | ".join(cells) + " |")
     cost = [
-        "| method | time to first token (s) | per question (s) | read (tok/s) | kept (MiB per 1K tokens) "
-        "| working KV (MiB) |"
+        "| method | length | time to first token (s) | per question (s) | read (tok/s) | kept (MiB per 1K tokens) "
+        "| working KV (MiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    cost.append("|---|---|---|---|---|---|")
     for name in labels:
-        group = [r for r in rows if label(r) == name]
-        rate = _mean([r["tokens"] / r["read_s"] for r in group if r.get("read_s")], "{:.0f}")
-        kept = _mean([r["stored_bytes"] / 2**20 / r["tokens"] * 1000 for r in group if r.get("stored_bytes")], "{:.1f}")
-        ttft, total = _mean(r["ttft_s"] for r in group), _mean(r["total_s"] for r in group)
-        working = _mean(r["kv_bytes"] / 2**20 for r in group)
-        cost.append(f"| {name} | {ttft} | {total} | {rate} | {kept} | {working} |")
+        for n in lengths:
+            group = [r for r in rows if label(r) == name and r["length"] == n]
+            if not group:
+                continue
+            rate = _mean([r["tokens"] / r["read_s"] for r in group if r.get("read_s")], "{:.0f}")
+            kept = _mean(
+                [r["stored_bytes"] / 2**20 / r["tokens"] * 1000 for r in group if r.get("stored_bytes")], "{:.1f}"
+            )
+            ttft, total = _mean(r["ttft_s"] for r in group), _mean(r["total_s"] for r in group)
+            working = _mean(r["kv_bytes"] / 2**20 for r in group)
+            cost.append(f"| {name} | {n // 1000}K | {ttft} | {total} | {rate} | {kept} | {working} |")
     return "\n".join(lines) + "\n\n" + "\n".join(cost)
 
 
