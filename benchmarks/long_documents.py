@@ -339,6 +339,7 @@ def main() -> None:
     parser.add_argument("--pdf", type=Path, default=None, help="instead: one real PDF, the questions of --questions")
     parser.add_argument("--report-only", action="store_true", help="write the tables and plot from OUT's rows")
     parser.add_argument("--read-speed", action="store_true", help="only: read speed vs a plain prefill (first context)")
+    parser.add_argument("--note", default="", help="a line for the report (e.g. whether the machine was quiet)")
     args = parser.parse_args()
     if 0.0 not in args.ratios:
         parser.error("--ratios must include 0 (text RAG and the gold sections use the uncompressed selection)")
@@ -380,10 +381,11 @@ def report(raw: Path, args, started: float) -> None:
     settings = (
         f"Tasks {', '.join(sorted({r['task'] for r in rows}))}; contexts per length {counts}; sections of at most "
         f"{args.section_tokens} tokens; greedy, {NEW_TOKENS} new tokens; score = RULER string match %, questions "
-        f"per cell in brackets. Plain prefill of one section: {rate:.0f} tok/s."
+        f"per cell in brackets. Plain prefill of one section: {rate:.0f} tok/s. {args.note}"
     )
     text = tables(rows)
-    (args.out / "long_documents.md").write_text(f"# Long documents\n\n{settings}\n\n{text}\n\n{environment(started)}\n")
+    ran = environment(started) if not args.report_only else environment(started).split("; ran")[0] + "."
+    (args.out / "long_documents.md").write_text(f"# Long documents\n\n{settings}\n\n{text}\n\n{ran}\n")
     plot(rows, args.out / "long_documents.png")
     print(text)
 
