@@ -110,7 +110,8 @@ def start(system: str, out: Path, gguf: Path | None) -> Process:
         python = ensure_venv("llama-cpp-venv", LLAMA_CPP)
         command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
         command += ["--n_ctx", "4096", "--n_threads", "2", "--n_threads_batch", "2", "--cache", "true"]
-        command += ["--cache_type", "ram", "--verbose", "false"]
+        # its server interrupts the answer under way when another request comes; queue them instead, as ours does
+        command += ["--cache_type", "ram", "--interrupt_requests", "false", "--verbose", "false"]
     else:
         command = [sys.executable, "-m", "semanticache_rag.cli", "serve", "--port", str(port)]
         # a store of its own, so the documents' first read is a read, not a load from an earlier run
@@ -222,9 +223,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| system | clients | requests | answers/s | tokens/s | TTFT p50 (s) | TTFT p95 (s) | prompt tokens from cache "
-        "| RSS (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | clients | requests | empty answers | answers/s | tokens/s | TTFT p50 (s) | TTFT p95 (s) "
+        "| prompt tokens from cache | RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     timed = [r for r in rows if r["round"] == "timed"]
     for system in dict.fromkeys(r["system"] for r in timed):
@@ -241,7 +242,8 @@ def table(rows: list[dict]) -> str:
             tokens = sum(r["completion_tokens"] for r in group)
             rss = f"{group[0]['rss_mib']:.0f}" if group[0]["rss_mib"] else "-"
             lines.append(
-                f"| {system} | {clients} | {len(group)} | {len(group) / wall:.2f} | {tokens / wall:.1f} | "
+                f"| {system} | {clients} | {len(group)} | {sum(1 for r in group if not r['completion_tokens'])} | "
+                f"{len(group) / wall:.2f} | {tokens / wall:.1f} | "
                 f"{_percentile(ttft, 50):.2f} | {_percentile(ttft, 95):.2f} | {hit} | {rss} |"
             )
     reads = ["", "| system | first question per document (s, all documents) | peak RSS (MiB) |", "|---|---|---|"]
@@ -290,11 +292,12 @@ def main() -> None:
         from semanticache_rag.models import default_gguf
 
         gguf = default_gguf()
-    rows = []
+    raw = args.out / "serve.jsonl"  # rows of the systems not run this time are kept
+    rows = [r for r in map(json.loads, raw.open()) if r["system"] not in args.systems] if raw.exists() else []
     for system in args.systems:
         print(f"{system} ...", file=sys.stderr)
         rows += run_system(system, texts, args, gguf)
-        with open(args.out / "serve.jsonl", "w") as handle:
+        with open(raw, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in rows)
     settings = (
         f"{args.documents} documents of ~{args.document_tokens} tokens (RULER's essays), {args.questions} "
