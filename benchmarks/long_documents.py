@@ -278,10 +278,15 @@ def plot(rows: list[dict], path: Path) -> None:
             ratios = sorted({r["ratio"] for r in group})
             means = [100 * statistics.mean(r["score"] for r in group if r["ratio"] == x) for x in ratios]
             ax.plot(ratios, means, marker="o", label=f"sections{f' ≤{limit}' if limit else ''}")
-        for method, style in (("text_rag", "--"), ("truncation", ":"), ("gold", "-.")):
-            group = [r["score"] for r in rows if r["length"] == n and r["method"] == method]
+        lines = [("text_rag", 0, "--", "tab:green", "text RAG"), ("text_rag", 2, ":", "tab:olive", "text RAG ≤2")]
+        lines += [("truncation", None, ":", "gray", "truncation"), ("gold", None, "-.", "black", "gold")]
+        for method, limit, style, color, name in lines:
+            group = [r for r in rows if r["length"] == n and r["method"] == method]
+            if limit is not None:
+                group = [r for r in group if (r.get("max_sections") or 0) == limit]
             if group:
-                ax.axhline(100 * statistics.mean(group), linestyle=style, color="gray", label=method)
+                mean = 100 * statistics.mean(r["score"] for r in group)
+                ax.axhline(mean, linestyle=style, color=color, label=name)
         ax.set_title(f"{n // 1000}K tokens")
         ax.set_xlabel("compression ratio")
     axes[0][0].set_ylabel("score (%)")
