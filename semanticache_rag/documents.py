@@ -203,7 +203,7 @@ def _names_document_file(text: str) -> bool:
     """Whether a string is a document's file name rather than its text (see :func:`load_document`)."""
     if not text or "\n" in text or len(text) >= _MAX_PATH_CHARS:
         return False
-    return Path(text.strip()).suffix.lower() in KNOWN_SUFFIXES and text == text.strip()
+    return text == text.strip() and Path(text).suffix.lower() in KNOWN_SUFFIXES
 
 
 def _exists(path: Path) -> bool:

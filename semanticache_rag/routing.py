@@ -88,6 +88,7 @@ class AttentionRouter:
         from semanticache_rag.kv import LayerKV
 
         self.size, layers = len(sections), []
+        self.owners = []  # per layer, the section of each summary entry (-1: the head); layers may differ in entries
         for i, head_layer in enumerate(head.layers):
             parts = [summarise(section.layers[i], window) for section in sections]
             keys = torch.cat([head_layer.keys] + [p[0] for p in parts], 2)
@@ -95,10 +96,8 @@ class AttentionRouter:
             ones = keys.new_ones(head_layer.keys.shape[:3], dtype=torch.float32)
             sizes = torch.cat([ones] + [p[2] for p in parts], 2)
             layers.append(LayerKV(keys, values, sizes.round().to(torch.int32)))
-        self.owners = []  # per layer, the section of each summary entry (-1: the head); layers may differ in entries
-        for i in range(len(head.layers)):
-            counts = [head.length] + [-(-section.layers[i].keys.shape[2] // window) for section in sections]
-            self.owners.append(torch.repeat_interleave(torch.arange(-1, len(sections)), torch.tensor(counts)))
+            counts = torch.tensor([head_layer.keys.shape[2]] + [p[0].shape[2] for p in parts])
+            self.owners.append(torch.repeat_interleave(torch.arange(-1, len(sections)), counts))
         self.layers = tuple(layers)
         self.start = head.length + max(section.length for section in sections)
 

@@ -272,13 +272,25 @@ class SectionedCache:
     def _extents(self) -> dict[bool, list[int]]:
         return {compact: [section_positions(s, compact) for s in self.sections] for compact in (True, False)}
 
-    def positions_needed(self, chosen: list[int], compact: bool = True) -> int:
-        """Positions the head and ``chosen`` sections take, spliced in document order (see :meth:`splice`)."""
-        start, end = self.head.length, self.head.length
-        for k in sorted(chosen):
+    def _placement(self, chosen: list[int], compact: bool) -> tuple[list[int], int]:
+        """Where ``chosen`` (document order) go behind the head: each one's shift from the position it
+        was read at, and the first position after them all.
+
+        Each section was read at positions ``head..head + n``. Compact: the next section starts after
+        this one's entries per head, but this one's keys keep their own span, and what follows the
+        splice starts after every one of them.
+        """
+        head = self.head.length
+        deltas, start, end = [], head, head
+        for k in chosen:
+            deltas.append(start - head)
             end = max(end, start + self.sections[k].length)
             start += self._extents[compact][k]
-        return end
+        return deltas, end
+
+    def positions_needed(self, chosen: list[int], compact: bool = True) -> int:
+        """Positions the head and ``chosen`` sections take, spliced in document order (see :meth:`splice`)."""
+        return self._placement(sorted(chosen), compact)[1]
 
     def fit(self, order: list[int], room: int, compact: bool = True, limit: int | None = None) -> list[int]:
         """The leading sections of ``order`` (at most ``limit``) that fit ``room`` positions, in document order.
@@ -331,14 +343,7 @@ class SectionedCache:
         self, chosen: list[int], inv_freqs: list[torch.Tensor], selection: Selection, compact: bool = True
     ) -> DocumentCache:
         """The head and ``chosen`` sections (document order) as one working :class:`DocumentCache`."""
-        head = self.head.length
-        deltas, start, end = [], head, head
-        for k in chosen:
-            deltas.append(start - head)  # each section was read at positions head..head + n
-            # compact: the next section starts after this one's entries, but this one's keys keep their
-            # own span, and what follows the splice starts after every one of them
-            end = max(end, start + self.sections[k].length)
-            start += section_positions(self.sections[k], compact)
+        deltas, end = self._placement(chosen, compact)
         layers = tuple(
             splice_layers(
                 [(self.head.layers[i], 0)] + [(self.sections[k].layers[i], d) for k, d in zip(chosen, deltas)],
