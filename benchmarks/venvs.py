@@ -31,11 +31,11 @@ def venv_python(home: Path) -> Path:
     return home / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def _pip_install(python: Path, requirements: list[str], env: dict | None) -> None:
+def _pip_install(python: Path, requirements: list[str]) -> None:
     """``pip install`` into the venv of ``python``; raise RuntimeError with the output tail."""
     command = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements]
     logger.info("%s: pip install %s", python.parent.parent.name, " ".join(requirements))
-    proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL_LINES:])
         raise RuntimeError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}):\n{tail}")
@@ -52,7 +52,7 @@ def _built(home: Path, record: dict) -> bool:
         return False
 
 
-def ensure_venv(name: str, steps: list[list[str]], env: dict | None = None, home: Path | None = None) -> Path:
+def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None) -> Path:
     """Build (once) the venv ``name`` by ``steps`` of ``pip install`` arguments; return its python.
 
     Parameters
@@ -62,8 +62,6 @@ def ensure_venv(name: str, steps: list[list[str]], env: dict | None = None, home
     steps : list of list of str
         Requirements installed one step after another (e.g. CPU torch first, so a later step
         does not pull a CUDA build).
-    env : dict, optional
-        Environment for pip (e.g. ``CMAKE_ARGS`` for a source build).
 
     Raises
     ------
@@ -72,12 +70,12 @@ def ensure_venv(name: str, steps: list[list[str]], env: dict | None = None, home
     """
     home = Path(home) if home is not None else home_dir() / name
     python = venv_python(home)
-    record = {"steps": steps, "env": {k: v for k, v in (env or {}).items() if k.startswith(("CMAKE", "FORCE"))}}
+    record = {"steps": steps}
     if _built(home, record):
         return python
     logger.info("building the %s venv at %s (minutes, once)", name, home)
     venv.EnvBuilder(with_pip=True, clear=True).create(home)
     for requirements in steps:
-        _pip_install(python, requirements, env)
+        _pip_install(python, requirements)
     (home / MARKER).write_text(json.dumps(record))
     return python
