@@ -255,6 +255,7 @@ def cmd_serve(args) -> None:
     try:
         import uvicorn
 
+        from semanticache_rag.prompt_cache import PromptCache
         from semanticache_rag.server import Limits, create_app
     except ImportError as exc:
         raise SemantiCacheError(f"{exc}") from exc
@@ -264,7 +265,8 @@ def cmd_serve(args) -> None:
     args.json = False
     engine = _engine(args)
     limits = Limits(upload_bytes=args.max_upload_mb * 2**20, new_tokens=args.max_new_tokens, concurrent=args.concurrent)
-    app = create_app(engine, api_key=api_key, limits=limits)
+    prompts = PromptCache(engine, compress_messages_over=args.compress_messages_over)
+    app = create_app(engine, api_key=api_key, limits=limits, prompt_cache=prompts)
     print(f"Serving {engine.model_name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
 
@@ -276,6 +278,13 @@ def _add_serve_command(sub) -> None:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' ($SEMANTICACHE_API_KEY)")
     serve.add_argument("--max-upload-mb", type=int, default=64, help="largest document upload (default: 64 MiB)")
     serve.add_argument("--concurrent", type=int, default=2, help="answers computed at once; others queue (default: 2)")
+    serve.add_argument(
+        "--compress-messages-over",
+        type=int,
+        default=1024,
+        metavar="TOKENS",
+        help="compress a system (or first user) message of TOKENS tokens or more as a document (0: never; 1024)",
+    )
     _add_common(serve)
     serve.set_defaults(func=cmd_serve, max_new_tokens=1024)
 

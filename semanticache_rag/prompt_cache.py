@@ -18,6 +18,12 @@ compressed with the engine's compressor; pieces are placed one after the other w
 moved to their new positions (:mod:`semanticache_rag.sections`). Spliced pieces did not attend to
 each other when they were prefilled: the same trade as a long document's sections.
 
+A long system message (or a long first user message that later messages follow) is taken for a
+document pasted by hand: when the engine compresses, it is registered automatically (at most
+``max_prefixes`` such documents, least recently used forgotten) and its prompt prefix cached
+compressed, in memory only, as a registered document's is. ``compress_messages_over`` sets the
+length in tokens from which a message counts (0 turns it off).
+
 Any other prompt is cached automatically, as llama.cpp's prompt cache and vLLM's prefix caching
 do: the KV of every prompt is kept (uncompressed, least recently used first out of
 ``max_prompt_bytes``), and a later prompt that starts with the same tokens computes only the
@@ -38,6 +44,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from semanticache_rag.cache import DocumentCache, Selection
+from semanticache_rag.compressors.base import NoCompression
 from semanticache_rag.conversation import Answer, Conversation
 from semanticache_rag.documents import Document, document_from_text, load_document
 from semanticache_rag.errors import ConfigError
@@ -103,18 +110,29 @@ class PromptCache:
         Memory for the caches of registered pieces found in prompts, least recently used evicted.
     max_prompt_bytes : int
         Memory for the automatic cache of other prompts, least recently used evicted; 0 turns it off.
+    compress_messages_over : int
+        A system message, or a first user message that later messages follow, of at least this many
+        tokens is compressed as a document when the engine compresses; 0 turns it off.
     """
 
     def __init__(
-        self, engine, max_prefixes: int = 4, max_piece_bytes: int = 512 * 2**20, max_prompt_bytes: int = 2**30
+        self,
+        engine,
+        max_prefixes: int = 4,
+        max_piece_bytes: int = 512 * 2**20,
+        max_prompt_bytes: int = 2**30,
+        compress_messages_over: int = 1024,
     ):
-        if max_prefixes < 1 or max_piece_bytes < 0 or max_prompt_bytes < 0:
+        budgets = (max_piece_bytes, max_prompt_bytes, compress_messages_over)
+        if max_prefixes < 1 or any(not isinstance(b, int) or b < 0 for b in budgets):
             raise ConfigError(
-                f"max_prefixes must be >= 1 and the byte budgets >= 0, got {max_prefixes!r}, {max_piece_bytes!r}, "
-                f"{max_prompt_bytes!r}"
+                "max_prefixes must be >= 1 and max_piece_bytes, max_prompt_bytes, compress_messages_over "
+                f"whole numbers >= 0, got {max_prefixes!r}, {max_piece_bytes!r}, {max_prompt_bytes!r}, "
+                f"{compress_messages_over!r}"
             )
         self.engine, self.max_prefixes, self.max_piece_bytes = engine, max_prefixes, max_piece_bytes
-        self.max_prompt_bytes = max_prompt_bytes
+        self.max_prompt_bytes, self.compress_messages_over = max_prompt_bytes, compress_messages_over
+        self._automatic: OrderedDict[str, None] = OrderedDict()  # documents registered from long messages
         self._prompts: OrderedDict[int, DocumentCache] = OrderedDict()
         self.documents: dict[str, Document] = {}
         self._anchors: dict[str, list[tuple[str, str]]] = {}
@@ -140,10 +158,51 @@ class PromptCache:
             raise ConfigError(f"document id {doc_id!r} may only hold letters, digits, '_', '-', '.' (1-128)")
         raw = pages if pages is not None else [source if isinstance(source, str) and "\n" in source else document.text]
         with self._lock:
-            self.documents[doc_id] = document
-            self._anchors[doc_id] = _anchor_pairs(raw, document.text)
-            self._pieces[doc_id] = [p for p in pages or () if len(p.strip()) >= MIN_PIECE_CHARS]
+            self._automatic.pop(doc_id, None)  # registered by hand: kept until replaced
+            self._add(doc_id, document, _anchor_pairs(raw, document.text), pages or ())
         return doc_id
+
+    def _add(self, doc_id: str, document: Document, anchors, pieces) -> None:
+        self.documents[doc_id] = document
+        self._anchors[doc_id] = anchors
+        self._pieces[doc_id] = [p for p in pieces if len(p.strip()) >= MIN_PIECE_CHARS]
+
+    def _long_message(self, messages) -> str | None:
+        """The content of a long system or first user message to compress as a document, if any."""
+        if self.compress_messages_over == 0 or isinstance(messages, str) or not messages:
+            return None
+        if isinstance(self.engine.compressor, NoCompression):
+            return None  # nothing to compress: the automatic prompt cache keeps the whole prompt instead
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if messages[0].get("role") == "system":
+            index = 0
+        elif users and users[0] < len(messages) - 1:  # a lone user message holds the question itself
+            index = users[0]
+        else:
+            return None
+        content = messages[index].get("content")
+        if not isinstance(content, str) or len(content) < MIN_PIECE_CHARS:
+            return None
+        if len(self.engine.tokenizer(content, add_special_tokens=False)["input_ids"]) < self.compress_messages_over:
+            return None
+        return content
+
+    def _register_message(self, content: str) -> None:
+        """Register a long message as a document (in memory, the oldest such forgotten first)."""
+        document = document_from_text(content)  # never a path, whatever the text says
+        doc_id = f"message-{document.sha256[:16]}"
+        with self._lock:
+            if doc_id in self._automatic:
+                self._automatic.move_to_end(doc_id)
+                return
+            if doc_id in self.documents:  # registered by hand already
+                return
+            self._add(doc_id, document, _anchor_pairs([content], document.text), ())
+            self._automatic[doc_id] = None
+            while len(self._automatic) > self.max_prefixes:
+                old, _ = self._automatic.popitem(last=False)
+                for table in (self.documents, self._anchors, self._pieces):
+                    table.pop(old, None)
 
     def render(self, messages) -> str:
         """Prompt text of ``messages`` (a string is one user message) through the chat template."""
@@ -185,6 +244,9 @@ class PromptCache:
         """Answer a pipeline's prompt, reusing the caches of the registered documents or pieces it contains."""
         text = self.render(messages)
         found = self.locate(text)
+        if found is None and (content := self._long_message(messages)) is not None:
+            self._register_message(content)
+            found = self.locate(text)
         cache, created, doc_id, split = self._empty_cache(), (0, 0.0), None, 0
         if found:
             doc_id, start, split = found
@@ -286,7 +348,9 @@ class PromptCache:
         return cache, created
 
     def _build_prefix(self, text: str, start: int, split: int, doc_id: str):
-        tokenizer, engine, document = self.engine.tokenizer, self.engine, self.documents[doc_id]
+        tokenizer, engine = self.engine.tokenizer, self.engine
+        # a message's document may have been forgotten since it was found: it is the located text
+        document = self.documents.get(doc_id) or document_from_text(text[start:split])
         created = (0, 0.0)
 
         def compute(sections=None):  # a prompt prefix is read whole: no sections to keep
@@ -298,7 +362,7 @@ class PromptCache:
             created = (len(head) + len(body), cache.prefill_s + cache.compress_s)
             return cache
 
-        if engine.store is None:
+        if engine.store is None or doc_id in self._automatic:  # a request's message is not kept on disk
             return compute(), created
         # kept on disk too: another process (or a later run) with this prompt loads it
         prompt = hashlib.sha256(f"{start}\0{text[:split]}".encode()).hexdigest()

@@ -211,3 +211,57 @@ def test_the_prompt_cache_stays_within_its_budget(tiny_engine, document_text):
     for i in range(4):
         cache.ask(f"{i} " + document_text[i * 700 : (i + 1) * 700], max_new_tokens=2)
     assert sum(c.nbytes for c in cache._prompts.values()) <= 3 * 2**20 and len(cache._prompts) >= 1
+
+
+# -- long messages compressed as documents ------------------------------------------------------
+
+
+@pytest.fixture()
+def compressing_engine(tiny_model, tiny_tokenizer, tmp_path):
+    from semanticache_rag import Engine, SemantiCacheCompressor
+    from semanticache_rag.store import DocumentStore
+
+    store = DocumentStore(tmp_path / "store")
+    compressor = SemantiCacheCompressor(0.5)
+    return Engine(tiny_model, tiny_tokenizer, model_name="tiny", compressor=compressor, store=store, prefill_chunk=64)
+
+
+def test_a_long_system_message_is_compressed_once_and_reused(compressing_engine, document_text):
+    cache = PromptCache(compressing_engine, compress_messages_over=200)
+    first, second = (cache.ask(stuff_prompt(document_text, q), max_new_tokens=4) for q in ("Who?", "What is it?"))
+    assert first.document_id == second.document_id and first.document_id.startswith("message-")
+    assert first.cache_creation_tokens > 1000 and second.cache_creation_tokens == 0
+    assert second.cached_tokens == first.cache_creation_tokens and second.prompt_tokens - second.cached_tokens < 30
+    (kept,) = cache._caches.values()
+    assert kept.entries_removed > 0.3  # compressed, not only cached
+    assert compressing_engine.store.stats.writes == 0  # a request's message is kept in memory only
+
+
+def test_messages_are_not_compressed_when_off_short_or_holding_the_question(compressing_engine, document_text):
+    cases = [
+        (PromptCache(compressing_engine, compress_messages_over=0), stuff_prompt(document_text, "Who?")),
+        (PromptCache(compressing_engine, compress_messages_over=10**6), stuff_prompt(document_text, "Who?")),
+        (PromptCache(compressing_engine, compress_messages_over=200), [{"role": "user", "content": document_text}]),
+    ]
+    for cache, messages in cases:
+        answer = cache.ask(messages, max_new_tokens=2)
+        assert answer.document_id is None and not cache._automatic  # the automatic prefix cache instead
+    first_user = [{"role": "user", "content": document_text}, {"role": "assistant", "content": "Yes."}]
+    cache = PromptCache(compressing_engine, compress_messages_over=200)
+    answer = cache.ask(first_user + [{"role": "user", "content": "Who?"}], max_new_tokens=2)
+    assert answer.document_id is not None and answer.document_id.startswith("message-")
+
+
+def test_documents_from_messages_are_bounded_and_never_evict_registered_ones(compressing_engine, document_text):
+    cache = PromptCache(compressing_engine, max_prefixes=2, compress_messages_over=100)
+    mine = cache.register(document_text[2000:])
+    for i in range(4):
+        cache.ask(stuff_prompt(f"Text number {i}. " + document_text[i * 400 : i * 400 + 900], "Who?"), max_new_tokens=2)
+    assert len(cache._automatic) == 2 and mine in cache.documents
+    assert set(cache.documents) == {mine, *cache._automatic}
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1024"])
+def test_bad_message_length_is_a_config_error(tiny_engine, bad):
+    with pytest.raises(ConfigError, match="compress_messages_over"):
+        PromptCache(tiny_engine, compress_messages_over=bad)

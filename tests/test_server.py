@@ -276,3 +276,27 @@ def test_concurrent_clients_all_get_their_answers(server, client):
     for thread in threads:
         thread.join(timeout=120)
     assert sorted(results) == [0, 1, 2, 3]
+
+
+def test_a_long_system_message_is_compressed_by_a_compressing_server(tiny_llama, tiny_tokenizer):
+    from semanticache_rag import SemantiCacheCompressor
+    from semanticache_rag.prompt_cache import PromptCache
+
+    engine = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", compressor=SemantiCacheCompressor(0.5))
+    running = Server(create_app(engine, prompt_cache=PromptCache(engine, compress_messages_over=300)))
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+        system = {"role": "system", "content": "Answer from this text.\n\n" + corpus_text()[:2500]}
+        bodies = [
+            client.chat.completions.create(
+                model="tiny", messages=[system, {"role": "user", "content": q}], max_tokens=4
+            ).model_dump()
+            for q in ("Who may copy it?", "What may be changed?")
+        ]
+    finally:
+        running.stop()
+    first, second = (body["semanticache"] for body in bodies)
+    assert first["document_id"] == second["document_id"] and first["document_id"].startswith("message-")
+    assert first["cache_creation_tokens"] > 500 and second["cache_creation_tokens"] == 0
+    assert bodies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 500
+    assert second["entries_removed"] > 0.3  # the system message was compressed, not only cached
