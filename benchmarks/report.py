@@ -32,6 +32,23 @@ def mean_of(key: str, fmt: str):
     return cell
 
 
+def bootstrap_interval(scores: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the mean of ``scores`` by the percentile bootstrap over questions."""
+    import random
+
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(scores, k=len(scores))) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def interval_cell(group: list[dict]) -> str:
+    """A table metric: the 95% bootstrap interval of the group's mean score, in %."""
+    low, high = bootstrap_interval([r["score"] for r in group])
+    return f"{100 * low:.0f}–{100 * high:.0f}"
+
+
+QUESTIONS_AND_INTERVAL = [("questions", lambda g: str(len(g))), ("95% CI", interval_cell)]
+
 NIAH_METRICS = [
     ("KV bytes", lambda g: f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in g):.1%}"),
     ("compress s", mean_of("compress_s", "{:.2f}")),

@@ -15,6 +15,7 @@ full-cache answer tokens (teacher forcing). kvpress runs in a virtual environmen
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.report import environment, markdown_table, mean_of, score_vs_ratio_plot
+from benchmarks.report import QUESTIONS_AND_INTERVAL, environment, markdown_table, mean_of, score_vs_ratio_plot
 from benchmarks.ruler_tasks import TASKS, build, score
 from semanticache_rag import (
     Engine,
@@ -42,9 +43,17 @@ KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "ch
 
 
 OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm", "kaizen", "kaizen+semanticache")
+# SemantiCache's fact-keeping parts switched one at a time (the default keeps digit and surprisal
+# anchors, token by token)
+ABLATIONS = {
+    "semanticache-word": {"anchor_unit": "word"},
+    "semanticache-word-names": {"anchor_unit": "word", "protect_names": True},
+    "semanticache-no-digits": {"protect_digits": False},
+    "semanticache-no-anchors": {"protect_digits": False, "anchor_std": None},
+}
 
 
-def our_methods(ratios, methods=OUR_METHODS):
+def our_methods(ratios, methods=OUR_METHODS + tuple(ABLATIONS)):
     """(method, ratio, compressor) for every compressor of this package.
 
     ``ratio`` is the device budget for all of them: SeKV's summary and per-question expansion
@@ -58,6 +67,8 @@ def our_methods(ratios, methods=OUR_METHODS):
         "kaizen": KaizenCompressor,
         "kaizen+semanticache": lambda ratio: KaizenCompressor(ratio, inner="semanticache"),
     }
+    for name, options in ABLATIONS.items():
+        makers[name] = functools.partial(SemantiCacheCompressor, **options)
     for ratio in ratios:
         for method in methods:
             if method in makers:
@@ -84,7 +95,7 @@ def kl(reference: torch.Tensor | None, other: torch.Tensor | None) -> float:
     return float((reference.exp() * (reference - other)).sum(-1).mean())
 
 
-def run_ours(engine: Engine, contexts, ratios, methods=OUR_METHODS) -> list[dict]:
+def run_ours(engine: Engine, contexts, ratios, methods=OUR_METHODS + tuple(ABLATIONS)) -> list[dict]:
     rows = []
     for context in tqdm(contexts, desc="contexts (ours)", unit="ctx"):
         prefill = engine.prefill(context.document, surprisal=True, progress=False)
@@ -122,6 +133,7 @@ def _row(method, ratio, context, q, answer, kv_bytes, full_bytes, seconds, token
         "method": method,
         "ratio": ratio,
         "task": context.task,
+        "kind": q.kind,
         "length": context.length,
         "context_id": context.context_id,
         "qid": q.qid,
@@ -209,6 +221,7 @@ def kvpress_rows(raw: list[dict], by_qid: dict) -> list[dict]:
 
 
 METRICS = [
+    *QUESTIONS_AND_INTERVAL,
     ("KV bytes", lambda g: f"{statistics.mean(r['kv_bytes'] / r['full_kv_bytes'] for r in g):.1%}"),
     ("KL", lambda g: f"{statistics.mean(r['kl'] for r in g):.3f}"),
     ("prefill+compress s", mean_of("prefill_compress_s", "{:.1f}")),
@@ -223,7 +236,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 7500])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
     parser.add_argument("--samples", type=int, default=2, help="contexts per task and length")
-    parser.add_argument("--methods", nargs="+", default=list(OUR_METHODS), choices=OUR_METHODS)
+    methods = OUR_METHODS + tuple(ABLATIONS)
+    parser.add_argument("--methods", nargs="+", default=list(methods), choices=methods)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvpress", action="store_true", help="also run kvpress's presses in their own venv")
     parser.add_argument(
@@ -284,13 +298,15 @@ def write_results(rows: list[dict], args, started: float) -> None:
     with open(args.out / "ruler.jsonl", "w") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)
     table = markdown_table(rows, ["task"], METRICS)
-    by_length = markdown_table(rows, ["length"], [])
+    by_length = markdown_table(rows, ["length"], QUESTIONS_AND_INTERVAL)
+    by_kind = markdown_table([r for r in rows if "kind" in r], ["kind"], QUESTIONS_AND_INTERVAL)
     settings = (
         f"Tasks {', '.join(args.tasks)}; lengths {args.lengths}; {args.samples} context(s) per task and "
         f"length; ratios {args.ratios}; seed {args.seed}; greedy, 32 new tokens; score = RULER string match %."
     )
     (args.out / "ruler.md").write_text(
         f"# RULER-style QA, question-agnostic\n\n{settings}\n\n{table}\n\nBy length:\n\n{by_length}\n\n"
+        f"By what the question asks for (number, uuid, name, city, code; QA answers):\n\n{by_kind}\n\n"
         f"{environment(started)}\n"
     )
     score_vs_ratio_plot(rows, args.out / "ruler.png", "RULER-style QA (mean over tasks)")

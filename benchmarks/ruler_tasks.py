@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import re
+import uuid
 from dataclasses import dataclass, field
 
 from benchmarks.data import paul_graham_essays, ruler_json
@@ -28,7 +29,32 @@ QA_QUESTION = (
     "Answer the question based on the given documents. Only give me the answer and do not output any "
     "other words.\n\nQuestion: {query}"
 )
-TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "qa_1", "qa_2")
+TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_facts", "niah_multikey_1", "qa_1", "qa_2")
+# niah_single_3 is RULER's (word keys, uuid values); niah_facts is ours: one person's name, one city
+# and one letter-and-digit code per haystack, the facts that are not numbers.
+UUID_PREAMBLE = NIAH_PREAMBLE.replace("numbers", "uuids")
+UUID_NEEDLE = "One of the special magic uuids for {key} is: {value}."
+UUID_QUESTION = "What is the special magic uuid for {key} mentioned in the provided text?"
+FACT_PREAMBLE = NIAH_PREAMBLE.replace("magic numbers", "facts").replace("the numbers", "the facts")
+FACTS = {  # kind: (needle, question)
+    "name": ("The special person for {key} is {value}.", "Who is the special person for {key}?"),
+    "city": ("The special city for {key} is {value}.", "What is the special city for {key}?"),
+    "code": ("The special code for {key} is {value}.", "What is the special code for {key}?"),
+}
+FIRST_NAMES = (
+    "Amara Bartholomew Cecilia Dmitri Esperanza Florian Giulietta Hiroshi Ingrid Jasper Katarina Leopold "
+    "Magnolia Nikolai Ottilie Percival Rosalind Sebastian Theodora Ulrich Valentina Wilhelmina Xavier Yolanda"
+).split()
+LAST_NAMES = (
+    "Abernathy Blackwood Castellano Delacroix Esterhazy Fairweather Gallagher Hawthorne Ivanova Jablonski "
+    "Kowalczyk Lindqvist Montgomery Nakamura Okonkwo Petrakis Quennell Rasmussen Szymanski Thornbury "
+    "Underhill Vasquez Whitlock Yamamoto"
+).split()
+CITIES = (
+    "Reykjavik|Valparaiso|Thessaloniki|Ouagadougou|Vladivostok|Trondheim|Antananarivo|Cartagena|Ljubljana|"
+    "Samarkand|Wollongong|Bratislava|Montevideo|Kaohsiung|Zanzibar|Innsbruck|Guadalajara|Timbuktu|"
+    "Tbilisi|Saskatoon|Marrakesh|Bucharest|Chattanooga|Dubrovnik"
+).split("|")
 
 
 @dataclass
@@ -38,6 +64,7 @@ class Question:
     refs: list[str]
     metric: str  # "all" (NIAH: every reference) or "part" (QA: any reference)
     evidence: list[str] = field(default_factory=list)  # passages of the document that hold the answer
+    kind: str = "answer"  # what is asked: number, uuid, name, city, code or answer (QA)
 
 
 @dataclass
@@ -73,12 +100,36 @@ def _fit(count_tokens, pieces: list[str], target: int, joiner: str) -> int:
     return low
 
 
-def niah(task: str, length: int, index: int, count_tokens, rng: random.Random) -> Context:
-    """``niah_single_1`` (repeated filler), ``niah_single_2`` (essays), ``niah_multikey_1`` (essays, 4 keys)."""
+def _needles(task: str, rng: random.Random) -> list[tuple[str, str, str, str]]:
+    """(kind, value, needle, question) of each needle a ``task`` haystack holds."""
+    if task == "niah_facts":
+        keys, kinds = _words(rng, 3), list(FACTS)
+        values = [
+            f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}",
+            rng.choice(CITIES),
+            f"{rng.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}{rng.randrange(10)}-{_words(rng, 1)[0].split('-')[0].upper()}"
+            f"-{rng.randrange(100, 1000)}",
+        ]
+        return [
+            (kind, value, FACTS[kind][0].format(key=key, value=value), FACTS[kind][1].format(key=key))
+            for kind, key, value in zip(kinds, keys, values)
+        ]
     keys = _words(rng, 4 if task == "niah_multikey_1" else 1)
+    if task == "niah_single_3":
+        values = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in keys]
+        return [
+            ("uuid", v, UUID_NEEDLE.format(key=k, value=v), UUID_QUESTION.format(key=k)) for k, v in zip(keys, values)
+        ]
     values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
-    needles = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
-    budget = length - sum(count_tokens(n) for n in needles) - count_tokens(NIAH_PREAMBLE) - 8
+    return [("number", v, NEEDLE.format(key=k, value=v), NIAH_QUESTION.format(key=k)) for k, v in zip(keys, values)]
+
+
+def niah(task: str, length: int, index: int, count_tokens, rng: random.Random) -> Context:
+    """``niah_single_1`` (repeated filler), ``niah_single_2`` (essays), ``niah_single_3`` (essays, uuids),
+    ``niah_facts`` (essays; a name, a city and a code), ``niah_multikey_1`` (essays, 4 keys)."""
+    needles = _needles(task, rng)
+    preamble = {"niah_single_3": UUID_PREAMBLE, "niah_facts": FACT_PREAMBLE}.get(task, NIAH_PREAMBLE)
+    budget = length - sum(count_tokens(n[2]) for n in needles) - count_tokens(preamble) - 8
     if task == "niah_single_1":
         sentences = [REPEAT_HAYSTACK] * (length // 10)
     else:
@@ -87,12 +138,11 @@ def niah(task: str, length: int, index: int, count_tokens, rng: random.Random) -
         sentences = re.split(r"(?<=[.!?])\s+", essays[start : start + length * 8])
     haystack = sentences[: _fit(count_tokens, sentences, budget, " ")]
     for needle in needles:
-        haystack.insert(rng.randrange(0, len(haystack) + 1), needle)
-    context = Context(f"{task}-{length}-{index}", task, length, NIAH_PREAMBLE + " ".join(haystack))
-    for i, (key, value) in enumerate(zip(keys, values)):
+        haystack.insert(rng.randrange(0, len(haystack) + 1), needle[2])
+    context = Context(f"{task}-{length}-{index}", task, length, preamble + " ".join(haystack))
+    for i, (kind, value, needle, question) in enumerate(needles):
         if task != "niah_multikey_1" or i < 2:  # RULER asks one key; two keys per haystack here
-            text = NIAH_QUESTION.format(key=key)
-            context.questions.append(Question(f"{context.context_id}-q{i}", text, [value], "all", [needles[i]]))
+            context.questions.append(Question(f"{context.context_id}-q{i}", question, [value], "all", [needle], kind))
     return context
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 DELIMITERS = frozenset(".,;:!?\n\t。，；：！？")
+_SENTENCE_ENDS = frozenset(".!?:;\"'\n。！？")
 
 
 def _token_test(token_ids: torch.Tensor, tokenizer, test) -> torch.Tensor:
@@ -41,6 +42,29 @@ def word_ids(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     starts[1:] |= trails[:-1]
     starts[0] = True
     return starts.long().cumsum(0) - 1
+
+
+def name_mask(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(N,) bool: every token of a capitalised word inside a sentence: names, places, titles.
+
+    A word after sentence-ending punctuation or a line break (or the text's first word) starts a
+    sentence, so its capital says nothing and it is left out.
+    """
+    if token_ids.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    words = word_ids(token_ids, tokenizer)
+    unique, inverse = torch.unique(token_ids, return_inverse=True)
+    texts = tokenizer.batch_decode(unique[:, None].tolist())
+    spelled = [""] * (int(words[-1]) + 1)
+    for word, index in zip(words.tolist(), inverse.tolist()):
+        spelled[word] += texts[index]
+    capital, before = [False] * len(spelled), ""  # the text since the last word that was not white space
+    for word, text in enumerate(spelled):
+        tail, leading = before.rstrip(" \t"), text[: len(text) - len(text.lstrip())]
+        starts_sentence = not tail.strip() or tail[-1] in _SENTENCE_ENDS or "\n" in leading
+        capital[word] = text.strip()[:1].isupper() and not starts_sentence
+        before = before + text if not text.strip() else text
+    return torch.tensor(capital, dtype=torch.bool)[words]
 
 
 def semantic_chunks(delimiters: torch.Tensor, min_length: int = 1, max_length: int = 64) -> torch.Tensor:

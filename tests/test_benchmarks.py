@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -23,8 +24,9 @@ def count_words():
 
 
 def test_tasks_are_reproducible_and_hold_their_needles(count_words):
-    first = build(["niah_single_2", "niah_multikey_1", "qa_1"], [600], 1, count_words, seed=3)
-    again = build(["niah_single_2", "niah_multikey_1", "qa_1"], [600], 1, count_words, seed=3)
+    tasks = ["niah_single_2", "niah_single_3", "niah_facts", "niah_multikey_1", "qa_1"]
+    first = build(tasks, [600], 1, count_words, seed=3)
+    again = build(tasks, [600], 1, count_words, seed=3)
     assert [c.document for c in first] == [c.document for c in again]
     for context in first:
         assert context.questions
@@ -34,6 +36,20 @@ def test_tasks_are_reproducible_and_hold_their_needles(count_words):
                 assert all(ref in context.document for ref in q.refs)
             else:
                 assert any(ref in context.document for ref in q.refs)
+    kinds = [[q.kind for q in c.questions] for c in first]
+    # a short QA context holds one pair
+    assert kinds == [["number"], ["uuid"], ["name", "city", "code"], ["number", "number"], ["answer"]]
+    code = first[2].questions[2].refs[0]
+    assert re.fullmatch(r"[A-Z]\d-[A-Z]+-\d{3}", code), code  # letters and digits, hyphenated
+
+
+def test_bootstrap_interval_holds_the_mean_and_narrows_with_more_questions():
+    from benchmarks.report import bootstrap_interval
+
+    few, many = [1.0, 0.0] * 4, [1.0, 0.0] * 200
+    (low, high), (low_many, high_many) = bootstrap_interval(few), bootstrap_interval(many)
+    assert low < 0.5 < high and low < low_many < 0.5 < high_many < high
+    assert bootstrap_interval([1.0] * 5) == (1.0, 1.0)
 
 
 def test_quick_run_writes_results(tiny_model_dir, tmp_path, monkeypatch):
@@ -53,11 +69,13 @@ def test_quick_run_writes_results(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     ruler.main()
     rows = [json.loads(line) for line in (tmp_path / "ruler.jsonl").read_text().splitlines()]
-    assert {r["method"] for r in rows} == set(ruler.OUR_METHODS)  # every method ran
+    assert {r["method"] for r in rows} == set(ruler.OUR_METHODS) | set(ruler.ABLATIONS)  # every method ran
     assert all(0 <= r["score"] <= 1 and r["kl"] >= -1e-6 for r in rows)
     assert all(r["kl"] == 0 for r in rows if r["method"] == "full")
     assert all(r["kv_bytes"] < r["full_kv_bytes"] for r in rows if r["method"] != "full")
-    assert "| semanticache | 0.50 |" in (tmp_path / "ruler.md").read_text()
+    report = (tmp_path / "ruler.md").read_text()
+    assert "| semanticache | 0.50 |" in report and "95% CI" in report
+    assert "By what the question asks for" in report and "| semanticache-no-anchors | 0.50 |" in report
     assert (tmp_path / "ruler.png").stat().st_size > 1000
 
 

@@ -7,7 +7,7 @@ import torch
 from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 
 from semanticache_rag import ConfigError, Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor
-from semanticache_rag.chunking import delimiter_mask, semantic_chunks, word_ids
+from semanticache_rag.chunking import delimiter_mask, name_mask, semantic_chunks, word_ids
 from semanticache_rag.compressors import make_compressor
 
 
@@ -183,3 +183,31 @@ def test_an_anchor_keeps_its_whole_word_within_the_budget(tiny_llama, tiny_token
         plan = compressor.prepare(context)
         assert bool(plan.protected[code].all()) == whole and bool(plan.protected[code[1]])
         assert int(plan.protected.sum()) <= compressor.anchor_share * plan.target + 4 + 32  # sinks and window too
+
+
+def test_names_are_capitalised_words_inside_a_sentence(tiny_tokenizer):
+    text = "The city is Paris. Then Maria went home.\nLondon is far; Ana Lisboa too."
+    ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    mask = name_mask(ids, tiny_tokenizer)
+    words, names = word_ids(ids, tiny_tokenizer), {}
+    for token, word in zip(ids[mask].tolist(), words[mask].tolist()):
+        names[word] = names.get(word, "") + tiny_tokenizer.decode([token])
+    # not a sentence's first word (The, Then, London, Ana)
+    assert [n.strip() for n in names.values()] == ["Paris.", "Maria", "Lisboa"]
+    assert name_mask(ids[:0], tiny_tokenizer).numel() == 0
+
+
+def test_name_anchors_keep_a_name_within_the_budget(tiny_tokenizer, document_text):
+    from semanticache_rag.compressors.base import CompressionContext
+
+    text = document_text[:1500] + " The keeper of the north hall is Bartholomew Quennell. " + document_text[1500:2500]
+    ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    start = len(tiny_tokenizer(text[: text.index(" Bartholomew")], add_special_tokens=False)["input_ids"])
+    end = len(tiny_tokenizer(text[: text.index(" Quennell") + 9], add_special_tokens=False)["input_ids"])
+    name = [i for i in range(start, end) if tiny_tokenizer.decode([int(ids[i])]).strip()]  # not lone spaces
+    context = CompressionContext(ids, torch.zeros(len(ids), dtype=torch.bool), torch.zeros(len(ids)), tiny_tokenizer)
+    for names in (True, False):
+        compressor = SemantiCacheCompressor(0.75, anchor_unit="word", protect_names=names, anchor_std=None)
+        plan = compressor.prepare(context)
+        assert len(name) > 6 and bool(plan.protected[name].all()) == names
+        assert int(plan.protected.sum()) <= compressor.anchor_share * plan.target + 4 + 32

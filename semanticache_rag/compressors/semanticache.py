@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from semanticache_rag.chunking import delimiter_mask, digit_mask, semantic_chunks, word_ids
+from semanticache_rag.chunking import delimiter_mask, digit_mask, name_mask, semantic_chunks, word_ids
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
@@ -42,6 +42,7 @@ from semanticache_rag.kv import LayerKV
 logger = logging.getLogger(__name__)
 
 _MAX_WIDTH = 512  # longest chunk coarsening may build
+_NAME_PRIORITY = 1e6  # above any surprisal (nats), below digits (inf)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +83,10 @@ class SemantiCacheCompressor(Compressor):
         anchor tokens only.
     protect_digits : bool
         Tokens holding a digit are anchors before any other.
+    protect_names : bool
+        Capitalised words inside a sentence (names, places, titles) are anchors after digits and
+        before surprising tokens; off by default until measured (``benchmarks/ruler.py``'s
+        ``niah_facts`` task asks for names, cities and codes).
     search_steps : int
         Bisection steps of the tau search.
     backend : str
@@ -101,6 +106,7 @@ class SemantiCacheCompressor(Compressor):
     anchor_unit: str = "token"
     max_word_tokens: int = 16
     protect_digits: bool = True
+    protect_names: bool = False
     value_similarity: bool = False
     search_steps: int = 20
     backend: str = "auto"
@@ -166,6 +172,9 @@ class SemantiCacheCompressor(Compressor):
             free = context.surprisal[~protected]
             threshold = free.mean() + self.anchor_std * free.std() if free.numel() > 1 else float("inf")
             priority = torch.where(context.surprisal > threshold, context.surprisal, priority)
+        if self.protect_names:  # ranked after digits, before any surprising token
+            names = name_mask(context.token_ids, context.tokenizer)
+            priority = torch.where(names, _NAME_PRIORITY + priority.clamp(min=0), priority)
         if self.protect_digits:  # numbers, dates, versions: facts a merged neighbour cannot restore
             priority = torch.where(digit_mask(context.token_ids, context.tokenizer), float("inf"), priority)
         priority = priority.masked_fill(protected, float("-inf"))
