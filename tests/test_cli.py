@@ -89,3 +89,20 @@ def test_chat_reads_until_end_of_input(tiny_model_dir, text_file, capsys, monkey
     assert main(["chat", str(text_file), "--model", str(tiny_model_dir), "--max-new-tokens", "3"]) == 0
     err = capsys.readouterr().err
     assert err.count("tokens reused") == 2
+
+
+def test_the_demo_reads_compressed_by_default_and_other_commands_do_not(monkeypatch):
+    from semanticache_rag import cli
+
+    chosen = []
+    monkeypatch.setattr(cli, "_engine", lambda args: chosen.append((args.compression, args.ratio)) or 1 / 0)
+    for argv in (["demo"], ["demo", "--compression", "none"], ["demo", "--ratio", "0.5"]):
+        args = cli.build_parser().parse_args(argv)
+        with pytest.raises(ZeroDivisionError):  # stopped where the engine would load
+            args.func(args)
+    assert chosen == [cli.DEMO_COMPRESSION, ("none", None), ("kaizen", 0.5)] and cli.DEMO_COMPRESSION == (
+        "kaizen",
+        0.75,
+    )
+    ask = cli.build_parser().parse_args(["ask", "doc.pdf", "-q", "Why?"])
+    assert (ask.compression, ask.ratio) == ("none", None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tests_support import needs_default_model, planted_document
 
@@ -73,11 +75,27 @@ def test_semanticache_keeps_the_planted_fact(engine, planted_prefill, ratio):
 
 
 @pytest.fixture(scope="module")
-def cyrguide(engine):
+def cyrguide_prefill(engine):
     from importlib import resources
 
     with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
-        return engine.read(pdf, progress=False)
+        return engine.prefill(pdf, progress=False, surprisal=True)
+
+
+@pytest.fixture(scope="module")
+def cyrguide(engine, cyrguide_prefill):
+    return engine.compress(cyrguide_prefill, NoCompression())
+
+
+def test_the_demo_reads_compressed_and_keeps_its_answers(engine, cyrguide_prefill):
+    from semanticache_rag.cli import DEMO_COMPRESSION, DEMO_QUESTIONS
+    from semanticache_rag.compressors import make_compressor
+
+    cache = engine.compress(cyrguide_prefill, make_compressor(*DEMO_COMPRESSION))
+    answers = [engine.ask(cache, q, max_new_tokens=24).answer for q in DEMO_QUESTIONS]
+    assert cache.bytes_removed > 0.7
+    found = ["T2A" in answers[0], "1489" in answers[1], re.search(r"3\.20(?!\.?\d)", answers[2]) is not None]
+    assert found == [True] * 3, answers
 
 
 def test_bundled_pdf_end_to_end(engine, cyrguide):
