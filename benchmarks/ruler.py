@@ -255,6 +255,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 sample, 300 tokens, ratio 0.5")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
+        "--reuse-rows",
+        type=Path,
+        default=None,
+        help="add an earlier run's rows (its ruler.jsonl) of methods this run lacks, on this run's questions "
+        "(e.g. kvpress rows of the same contexts), and rewrite the tables of OUT/ruler.jsonl",
+    )
+    parser.add_argument(
         "--kvpress-raw",
         type=Path,
         default=None,
@@ -268,6 +275,10 @@ def main() -> None:
     engine = Engine.from_pretrained(args.model)
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
+    if args.reuse_rows:
+        ours = [json.loads(line) for line in open(args.out / "ruler.jsonl")]
+        write_results(ours + reused_rows(args.reuse_rows, ours, contexts), args, started)
+        return
     if args.kvpress_raw:
         ours = _our_rows(args.out)
         raw = [json.loads(line) for line in open(args.kvpress_raw)]
@@ -287,6 +298,30 @@ def main() -> None:
         write_results(rows, args, started)
 
 
+def reused_rows(path: Path, rows: list[dict], contexts) -> list[dict]:
+    """Rows of ``path`` for methods absent from ``rows``, on questions of ``contexts``, scored again."""
+    by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
+    present = {r["method"] for r in rows}
+    reused = []
+    for line in open(path):
+        r = json.loads(line)
+        if r["method"] not in present and r["qid"] in by_qid:
+            context, q = by_qid[r["qid"]]
+            if q.refs == r["refs"]:  # the same question, built again from the same seed
+                reused.append({**r, "kind": q.kind, "score": score(r["answer"], q.refs, q.metric)})
+    return reused
+
+
+def _common_contexts(rows: list[dict]) -> list[dict]:
+    """The rows of the contexts that every method and ratio was run on."""
+    cells = {(r["method"], r["ratio"]) for r in rows}
+    ran: dict[str, set] = {}
+    for r in rows:
+        ran.setdefault(r["context_id"], set()).add((r["method"], r["ratio"]))
+    common = {c for c, done in ran.items() if done == cells}
+    return [r for r in rows if r["context_id"] in common]
+
+
 def _our_rows(out: Path) -> list[dict]:
     """The rows of our methods in an earlier run's ``out/ruler.jsonl`` (kvpress rows left out)."""
     with open(out / "ruler.jsonl") as handle:
@@ -300,13 +335,21 @@ def write_results(rows: list[dict], args, started: float) -> None:
     table = markdown_table(rows, ["task"], METRICS)
     by_length = markdown_table(rows, ["length"], QUESTIONS_AND_INTERVAL)
     by_kind = markdown_table([r for r in rows if "kind" in r], ["kind"], QUESTIONS_AND_INTERVAL)
+    common = _common_contexts(rows)
+    shared = ""
+    if len(common) < len(rows):
+        contexts = len({r["context_id"] for r in common})
+        shared = (
+            f"Only the {contexts} context(s) every method ran on (a fair comparison when some methods ran "
+            f"on fewer):\n\n{markdown_table(common, ['task'], QUESTIONS_AND_INTERVAL)}\n\n"
+        )
     settings = (
         f"Tasks {', '.join(args.tasks)}; lengths {args.lengths}; {args.samples} context(s) per task and "
         f"length; ratios {args.ratios}; seed {args.seed}; greedy, 32 new tokens; score = RULER string match %."
     )
     (args.out / "ruler.md").write_text(
         f"# RULER-style QA, question-agnostic\n\n{settings}\n\n{table}\n\nBy length:\n\n{by_length}\n\n"
-        f"By what the question asks for (number, uuid, name, city, code; QA answers):\n\n{by_kind}\n\n"
+        f"By what the question asks for (number, uuid, name, city, code; QA answers):\n\n{by_kind}\n\n{shared}"
         f"{environment(started)}\n"
     )
     score_vs_ratio_plot(rows, args.out / "ruler.png", "RULER-style QA (mean over tasks)")

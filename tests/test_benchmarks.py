@@ -113,3 +113,24 @@ def test_kvpress_resume_reuses_only_finished_contexts(count_words, tmp_path):
     earlier = ruler._earlier_kvpress_rows(tmp_path, contexts, [0.5])
     assert {r["context_id"] for r in earlier} == {finished.context_id} and len(earlier) == cut
     assert ruler._earlier_kvpress_rows(tmp_path, contexts, [0.5, 0.75]) == []  # a ratio never run
+
+
+def test_reused_rows_keep_only_this_runs_questions_and_the_shared_table_their_contexts(count_words, tmp_path):
+    from benchmarks import ruler
+
+    contexts = build(["niah_single_1", "qa_1"], [300], 2, count_words, seed=0)
+    questions = [(c, q) for c in contexts for q in c.questions]
+    ours = [{"method": "full", "ratio": 0.0, "context_id": c.context_id, "qid": q.qid} for c, q in questions]
+
+    def kvpress(c, q, refs):
+        return {"method": "kvpress:snapkv", "ratio": 0.5, "context_id": c.context_id, "qid": q.qid, "refs": refs}
+
+    earlier = [kvpress(*questions[0], questions[0][1].refs), kvpress(*questions[1], ["another question"])]
+    earlier += [{**ours[0], "refs": questions[0][1].refs}, kvpress(contexts[0], questions[0][1], [])]  # ours: not again
+    earlier[-1]["qid"] = "unknown-q0"
+    (tmp_path / "earlier.jsonl").write_text("".join(json.dumps({**r, "answer": "1234567"}) + "\n" for r in earlier))
+    reused = ruler.reused_rows(tmp_path / "earlier.jsonl", ours, contexts)
+    assert [(r["method"], r["qid"]) for r in reused] == [("kvpress:snapkv", questions[0][1].qid)]
+    assert reused[0]["kind"] == "number" and reused[0]["score"] in (0.0, 1.0)
+    common = ruler._common_contexts(ours + reused)
+    assert {r["context_id"] for r in common} == {questions[0][0].context_id}
