@@ -1,0 +1,84 @@
+"""A compressed document cache as the plain KV that a stock engine attends to (vLLM, transformers).
+
+Proportional attention gives an entry that stands for ``s`` tokens the logit ``q.k + log s``: under
+a softmax that is exactly the weight ``s`` identical copies of the entry get, and the copies bring
+the same value each. So a cache whose entries account for every token of its prefix expands into
+one key and value per prefix token and per KV head, and any engine that attends with a plain
+softmax over them (its own kernel, its own paged cache) gives the same output as our engine.
+Expanding saves that engine the prefill (and the store keeps the compressed bytes), not memory.
+
+Which caches expand exactly:
+
+- no compression; SemantiCache's cores (each core ``s`` times); KV-Kaizen's coded layers
+  (int8/int4, low-rank, 16-bit: decoded first) and shared layers (the layer they share);
+- not StreamingLLM (it dropped tokens: its entries stand for fewer tokens than its prefix), SeKV
+  (its summary is re-expanded per question) or sections spliced at compact positions (the
+  question starts before the prefix's length): :class:`ExpansionError` says so.
+
+Keys are post-RoPE, so the order of a head's entries does not matter to attention; copies sit
+where their core sits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from semanticache_rag.errors import SemantiCacheError
+
+
+class ExpansionError(SemantiCacheError):
+    """A cache whose attention plain copies of its entries cannot reproduce."""
+
+
+def expand_layer(layer, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (1, H_kv, ``tokens``, D) of one layer, each entry repeated its size times.
+
+    ``layer`` is any document-cache layer (:class:`~semanticache_rag.kv.LayerKV`, coded or shared).
+
+    Raises
+    ------
+    ExpansionError
+        A KV head whose entries do not stand for exactly ``tokens`` tokens.
+    """
+    keys, values, sizes = layer.keys, layer.values, layer.sizes
+    if sizes is None:
+        if keys.shape[2] != tokens:
+            raise ExpansionError(
+                f"the layer keeps {keys.shape[2]} entries of single tokens for a prefix of {tokens}: tokens were "
+                "dropped (an evicting compressor such as streaming_llm), so no copies reproduce its attention"
+            )
+        return keys, values
+    counts = sizes[0].long()  # (H_kv, L); 0 marks padding
+    totals = counts.sum(-1)
+    if bool((totals != tokens).any()):
+        raise ExpansionError(
+            f"the layer's heads stand for {sorted(set(totals.tolist()))} tokens, not the prefix's {tokens}: "
+            "a cache that dropped tokens cannot be expanded"
+        )
+    expanded_keys = [torch.repeat_interleave(keys[0, h], counts[h], dim=0) for h in range(counts.shape[0])]
+    expanded_values = [torch.repeat_interleave(values[0, h], counts[h], dim=0) for h in range(counts.shape[0])]
+    return torch.stack(expanded_keys)[None], torch.stack(expanded_values)[None]
+
+
+def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Per decoder layer, the plain keys and values (1, H_kv, N, D) of a :class:`~semanticache_rag.DocumentCache`.
+
+    A question appended after them starts at position ``N`` (``cache.length``), as it does in
+    our engine.
+
+    Raises
+    ------
+    ExpansionError
+        SeKV caches, sections spliced at compact positions, caches that dropped tokens.
+    """
+    if cache.zoom is not None:
+        raise ExpansionError(
+            f"a {cache.compressor} cache re-expands its spans for each question: it has no fixed plain form; "
+            "use semanticache or kaizen for a cache another engine reads"
+        )
+    if cache.positions != cache.length:
+        raise ExpansionError(
+            f"this cache's questions start at position {cache.positions}, before its {cache.length} tokens "
+            '(sections spliced with positions="compact"); read with Engine(positions="contiguous") to expand it'
+        )
+    return tuple(expand_layer(layer, cache.length) for layer in cache.layers)
