@@ -36,6 +36,8 @@ def bootstrap_interval(scores: list[float], resamples: int = 2000, seed: int = 0
     """95% interval of the mean of ``scores`` by the percentile bootstrap over questions."""
     import random
 
+    if not scores:
+        raise ValueError("no scores to bootstrap")
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(scores, k=len(scores))) for _ in range(resamples))
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]

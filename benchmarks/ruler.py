@@ -6,7 +6,7 @@ string match. Fidelity is KL(full || compressed) of the next-token distributions
 full-cache answer tokens (teacher forcing). kvpress runs in a virtual environment of its own
 (it pins transformers < 5.3), on exactly the same token ids.
 
-    python -m benchmarks.ruler                       # default run (~1 h on 2 cores, no kvpress)
+    python -m benchmarks.ruler                       # default run (~2 h on 2 cores, no kvpress)
     python -m benchmarks.ruler --kvpress             # + kvpress presses (much slower: one prefill each)
     python -m benchmarks.ruler --kvpress-only        # kvpress alone, resuming an interrupted run
     python -m benchmarks.ruler --quick --model DIR   # CI smoke run
@@ -276,6 +276,10 @@ def main() -> None:
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
     if args.reuse_rows:
+        if not (args.out / "ruler.jsonl").is_file():
+            parser.error(
+                f"--reuse-rows adds to {args.out / 'ruler.jsonl'}, which does not exist: run the benchmark first"
+            )
         ours = [json.loads(line) for line in open(args.out / "ruler.jsonl")]
         write_results(ours + reused_rows(args.reuse_rows, ours, contexts), args, started)
         return
@@ -337,7 +341,7 @@ def write_results(rows: list[dict], args, started: float) -> None:
     by_kind = markdown_table([r for r in rows if "kind" in r], ["kind"], QUESTIONS_AND_INTERVAL)
     common = _common_contexts(rows)
     shared = ""
-    if len(common) < len(rows):
+    if common and len(common) < len(rows):
         contexts = len({r["context_id"] for r in common})
         shared = (
             f"Only the {contexts} context(s) every method ran on (a fair comparison when some methods ran "

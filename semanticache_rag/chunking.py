@@ -10,13 +10,19 @@ from __future__ import annotations
 import torch
 
 DELIMITERS = frozenset(".,;:!?\n\t。，；：！？")
-_SENTENCE_ENDS = frozenset(".!?:;\"'\n。！？")
+_SENTENCE_ENDS = frozenset(".!?:;\n。！？")
+_OPENERS, _CLOSERS = "\"'([{“‘«", "\"')]}”’»"
+
+
+def _token_texts(token_ids: torch.Tensor, tokenizer) -> tuple[list[str], torch.Tensor]:
+    """The text of each distinct id (decoded once) and, per token, the index of its id's text."""
+    unique, inverse = torch.unique(token_ids, return_inverse=True)
+    return tokenizer.batch_decode(unique[:, None].tolist()), inverse
 
 
 def _token_test(token_ids: torch.Tensor, tokenizer, test) -> torch.Tensor:
     """(N,) bool: ``test(text)`` of each token's text, decoding each distinct id once."""
-    unique, inverse = torch.unique(token_ids, return_inverse=True)
-    texts = tokenizer.batch_decode(unique[:, None].tolist())
+    texts, inverse = _token_texts(token_ids, tokenizer)
     return torch.tensor([bool(test(text)) for text in texts], dtype=torch.bool)[inverse]
 
 
@@ -47,22 +53,23 @@ def word_ids(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
 def name_mask(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     """(N,) bool: every token of a capitalised word inside a sentence: names, places, titles.
 
-    A word after sentence-ending punctuation or a line break (or the text's first word) starts a
-    sentence, so its capital says nothing and it is left out.
+    A word after sentence-ending punctuation (a closing quote or bracket after it too) or a line
+    break, or the text's first word, starts a sentence, so its capital says nothing and it is left
+    out; so is "I". Opening quotes and brackets before a capital do not hide it: "(Paris)" counts.
     """
     if token_ids.numel() == 0:
         return torch.zeros(0, dtype=torch.bool)
     words = word_ids(token_ids, tokenizer)
-    unique, inverse = torch.unique(token_ids, return_inverse=True)
-    texts = tokenizer.batch_decode(unique[:, None].tolist())
+    texts, inverse = _token_texts(token_ids, tokenizer)
     spelled = [""] * (int(words[-1]) + 1)
     for word, index in zip(words.tolist(), inverse.tolist()):
         spelled[word] += texts[index]
     capital, before = [False] * len(spelled), ""  # the text since the last word that was not white space
     for word, text in enumerate(spelled):
-        tail, leading = before.rstrip(" \t"), text[: len(text) - len(text.lstrip())]
+        tail, leading = before.rstrip(" \t").rstrip(_CLOSERS), text[: len(text) - len(text.lstrip())]
         starts_sentence = not tail.strip() or tail[-1] in _SENTENCE_ENDS or "\n" in leading
-        capital[word] = text.strip()[:1].isupper() and not starts_sentence
+        bare = text.strip().lstrip(_OPENERS)
+        capital[word] = bare[:1].isupper() and bare.rstrip(_CLOSERS + ".,;:!?") != "I" and not starts_sentence
         before = before + text if not text.strip() else text
     return torch.tensor(capital, dtype=torch.bool)[words]
 

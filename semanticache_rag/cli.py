@@ -289,7 +289,8 @@ def _add_serve_command(sub) -> None:
         type=int,
         default=1024,
         metavar="TOKENS",
-        help="compress a system (or first user) message of TOKENS tokens or more as a document (0: never; 1024)",
+        help="with --compression, compress a system (or first user) message of TOKENS tokens or more as a document "
+        "(0: never; default: 1024)",
     )
     _add_common(serve)
     serve.set_defaults(func=cmd_serve, max_new_tokens=1024)
@@ -324,15 +325,16 @@ def _add_store_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_common(p: argparse.ArgumentParser, compression: str = "none", ratio: float | None = None) -> None:
+def _add_common(
+    p: argparse.ArgumentParser, compression: str = "none", ratio_default: str = "the compressor's own"
+) -> None:
     p.add_argument("--model", default=None, help="transformers model id or directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--compression", default=compression, help=f"compressor name (default: {compression})")
     p.add_argument(
         "--ratio",
         type=float,
-        default=ratio,
-        help="fraction of KV entries (Kaizen: bytes) to remove (default: "
-        + (f"{ratio})" if ratio is not None else "the compressor's own)"),
+        default=None,
+        help=f"fraction of KV entries (Kaizen: bytes) to remove (default: {ratio_default})",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -394,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo, json=False)
     for p in (ask, chat):
         _add_common(p)
-    _add_common(demo, DEMO_COMPRESSION[0])
+    _add_common(
+        demo, DEMO_COMPRESSION[0], f"{DEMO_COMPRESSION[1]} with {DEMO_COMPRESSION[0]}, else the compressor's own"
+    )
     _add_serve_command(sub)
     _add_cache_commands(sub)
     return parser

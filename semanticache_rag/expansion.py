@@ -12,8 +12,9 @@ Which caches expand exactly:
 - no compression; SemantiCache's cores (each core ``s`` times); KV-Kaizen's coded layers
   (int8/int4, low-rank, 16-bit: decoded first) and shared layers (the layer they share);
 - not StreamingLLM (it dropped tokens: its entries stand for fewer tokens than its prefix), SeKV
-  (its summary is re-expanded per question) or sections spliced at compact positions (the
-  question starts before the prefix's length): :class:`ExpansionError` says so.
+  (its summary is re-expanded per question), a long document's sections before they are spliced,
+  or sections spliced at positions of their own (the question does not start at the prefix's
+  length): :class:`ExpansionError` says so.
 
 Keys are post-RoPE, so the order of a head's entries does not matter to attention; copies sit
 where their core sits.
@@ -71,6 +72,13 @@ def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     ExpansionError
         SeKV caches, sections spliced at compact positions, caches that dropped tokens.
     """
+    from semanticache_rag.cache import DocumentCache
+
+    if not isinstance(cache, DocumentCache):
+        raise ExpansionError(
+            f"expected a DocumentCache, got {type(cache).__name__}: a long document's sections are spliced per "
+            "question; expand the cache a question is answered from (SectionedCache.assemble(...))"
+        )
     if cache.zoom is not None:
         raise ExpansionError(
             f"a {cache.compressor} cache re-expands its spans for each question: it has no fixed plain form; "
@@ -78,7 +86,8 @@ def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         )
     if cache.positions != cache.length:
         raise ExpansionError(
-            f"this cache's questions start at position {cache.positions}, before its {cache.length} tokens "
-            '(sections spliced with positions="compact"); read with Engine(positions="contiguous") to expand it'
+            f"this cache's questions start at position {cache.positions}, not right after its {cache.length} tokens "
+            "(sections spliced at positions of their own): another engine would start them at "
+            f"{cache.length}; expand a document read whole, or sections spliced back to back"
         )
     return tuple(expand_layer(layer, cache.length) for layer in cache.layers)

@@ -56,6 +56,7 @@ _ANCHOR = 80  # characters matched at each end of a document
 MIN_PIECE_CHARS = 64  # shorter registered pieces are not looked for in prompts
 MIN_PREFIX_TOKENS = 16  # a shorter common prefix is computed again rather than copied
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_MESSAGE = "message-"  # ids of the long messages registered automatically
 
 
 def _anchor_pairs(raw_pages: list[str], normalised: str) -> list[tuple[str, str]]:
@@ -154,13 +155,22 @@ class PromptCache:
         pages = [str(p) for p in source] if isinstance(source, Sequence) and not isinstance(source, str) else None
         document = load_document(document_from_text("\n\n".join(pages)) if pages is not None else source)
         doc_id = doc_id or document.sha256[:16]
-        if not _ID.match(doc_id):
-            raise ConfigError(f"document id {doc_id!r} may only hold letters, digits, '_', '-', '.' (1-128)")
+        if not _ID.match(doc_id) or doc_id.startswith(_MESSAGE):
+            raise ConfigError(
+                f"document id {doc_id!r} may only hold letters, digits, '_', '-', '.' (1-128) and may not start "
+                f"with {_MESSAGE!r} (the ids of long messages compressed automatically)"
+            )
         raw = pages if pages is not None else [source if isinstance(source, str) and "\n" in source else document.text]
         with self._lock:
-            self._automatic.pop(doc_id, None)  # registered by hand: kept until replaced
+            for old in [i for i in self._automatic if self.documents[i].sha256 == document.sha256]:
+                self._forget(old)  # the same text seen in a message before: registered by hand now
             self._add(doc_id, document, _anchor_pairs(raw, document.text), pages or ())
         return doc_id
+
+    def _forget(self, doc_id: str) -> None:
+        self._automatic.pop(doc_id, None)
+        for table in (self.documents, self._anchors, self._pieces):
+            table.pop(doc_id, None)
 
     def _add(self, doc_id: str, document: Document, anchors, pieces) -> None:
         self.documents[doc_id] = document
@@ -173,36 +183,33 @@ class PromptCache:
             return None
         if isinstance(self.engine.compressor, NoCompression):
             return None  # nothing to compress: the automatic prompt cache keeps the whole prompt instead
+        candidates = [0] if messages[0].get("role") == "system" else []
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if messages[0].get("role") == "system":
-            index = 0
-        elif users and users[0] < len(messages) - 1:  # a lone user message holds the question itself
-            index = users[0]
-        else:
-            return None
-        content = messages[index].get("content")
-        if not isinstance(content, str) or len(content) < MIN_PIECE_CHARS:
-            return None
-        if len(self.engine.tokenizer(content, add_special_tokens=False)["input_ids"]) < self.compress_messages_over:
-            return None
-        return content
+        if users and users[0] < len(messages) - 1:  # a lone last user message holds the question itself
+            candidates.append(users[0])
+        for index in candidates:
+            content = messages[index].get("content")
+            if not isinstance(content, str) or len(content) < MIN_PIECE_CHARS:
+                continue
+            if (
+                len(self.engine.tokenizer(content, add_special_tokens=False)["input_ids"])
+                >= self.compress_messages_over
+            ):
+                return content
+        return None
 
     def _register_message(self, content: str) -> None:
         """Register a long message as a document (in memory, the oldest such forgotten first)."""
         document = document_from_text(content)  # never a path, whatever the text says
-        doc_id = f"message-{document.sha256[:16]}"
+        doc_id = f"{_MESSAGE}{document.sha256[:16]}"
         with self._lock:
             if doc_id in self._automatic:
                 self._automatic.move_to_end(doc_id)
                 return
-            if doc_id in self.documents:  # registered by hand already
-                return
             self._add(doc_id, document, _anchor_pairs([content], document.text), ())
             self._automatic[doc_id] = None
             while len(self._automatic) > self.max_prefixes:
-                old, _ = self._automatic.popitem(last=False)
-                for table in (self.documents, self._anchors, self._pieces):
-                    table.pop(old, None)
+                self._forget(next(iter(self._automatic)))
 
     def render(self, messages) -> str:
         """Prompt text of ``messages`` (a string is one user message) through the chat template."""
@@ -247,6 +254,10 @@ class PromptCache:
         if found is None and (content := self._long_message(messages)) is not None:
             self._register_message(content)
             found = self.locate(text)
+        elif found is not None and found[0].startswith(_MESSAGE):
+            with self._lock:  # least recently used first out: this one was used now
+                if found[0] in self._automatic:
+                    self._automatic.move_to_end(found[0])
         cache, created, doc_id, split = self._empty_cache(), (0, 0.0), None, 0
         if found:
             doc_id, start, split = found
@@ -362,7 +373,7 @@ class PromptCache:
             created = (len(head) + len(body), cache.prefill_s + cache.compress_s)
             return cache
 
-        if engine.store is None or doc_id in self._automatic:  # a request's message is not kept on disk
+        if engine.store is None or doc_id.startswith(_MESSAGE):  # a request's message is not kept on disk
             return compute(), created
         # kept on disk too: another process (or a later run) with this prompt loads it
         prompt = hashlib.sha256(f"{start}\0{text[:split]}".encode()).hexdigest()

@@ -118,3 +118,16 @@ def test_caches_without_a_plain_form_say_why(engine, prefill, name):
     cache = engine.compress(prefill, make_compressor(name, 0.5))
     with pytest.raises(ExpansionError, match="dropped|re-expands"):
         expand_cache(cache)
+
+
+def test_sections_and_compact_splices_are_refused_with_what_to_do(engine, prefill):
+    import dataclasses
+
+    cache = engine.compress(prefill, SemantiCacheCompressor(0.5))
+    moved = dataclasses.replace(cache, next_position=cache.length // 2)  # as a compact splice places a question
+    with pytest.raises(ExpansionError, match=f"start at position {cache.length // 2}"):
+        expand_cache(moved)
+    long_engine = Engine(engine.model, engine.tokenizer, model_name="tiny", section_tokens=256)
+    sections = long_engine.read(corpus_text()[:40_000], progress=False)
+    with pytest.raises(ExpansionError, match="SectionedCache"):
+        expand_cache(sections)

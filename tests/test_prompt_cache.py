@@ -247,18 +247,32 @@ def test_messages_are_not_compressed_when_off_short_or_holding_the_question(comp
         answer = cache.ask(messages, max_new_tokens=2)
         assert answer.document_id is None and not cache._automatic  # the automatic prefix cache instead
     first_user = [{"role": "user", "content": document_text}, {"role": "assistant", "content": "Yes."}]
-    cache = PromptCache(compressing_engine, compress_messages_over=200)
-    answer = cache.ask(first_user + [{"role": "user", "content": "Who?"}], max_new_tokens=2)
-    assert answer.document_id is not None and answer.document_id.startswith("message-")
+    for system in ([], [{"role": "system", "content": "Be brief."}]):  # a short system message before it too
+        cache = PromptCache(compressing_engine, compress_messages_over=200)
+        answer = cache.ask(system + first_user + [{"role": "user", "content": "Who?"}], max_new_tokens=2)
+        assert answer.document_id is not None and answer.document_id.startswith("message-")
 
 
 def test_documents_from_messages_are_bounded_and_never_evict_registered_ones(compressing_engine, document_text):
     cache = PromptCache(compressing_engine, max_prefixes=2, compress_messages_over=100)
     mine = cache.register(document_text[2000:])
-    for i in range(4):
-        cache.ask(stuff_prompt(f"Text number {i}. " + document_text[i * 400 : i * 400 + 900], "Who?"), max_new_tokens=2)
-    assert len(cache._automatic) == 2 and mine in cache.documents
+    texts = [f"Text number {i}. " + document_text[i * 400 : i * 400 + 900] for i in range(4)]
+    ids = [cache.ask(stuff_prompt(texts[i], "Who?"), max_new_tokens=2).document_id for i in (0, 1, 0, 2)]
+    assert ids[0] == ids[2] and len(set(ids)) == 3
+    assert list(cache._automatic) == [ids[0], ids[3]]  # the least recently used one (text 1) went first
     assert set(cache.documents) == {mine, *cache._automatic}
+    again = cache.ask(stuff_prompt(texts[0], "Who?"), max_new_tokens=2)
+    assert again.document_id == ids[0] and again.cache_creation_tokens == 0
+
+
+def test_a_message_registered_by_hand_later_takes_its_own_id(compressing_engine, document_text):
+    cache = PromptCache(compressing_engine, compress_messages_over=100)
+    seen = cache.ask([{"role": "system", "content": document_text}, {"role": "user", "content": "Who?"}])
+    mine = cache.register(document_text, doc_id="licence")
+    after = cache.ask([{"role": "system", "content": document_text}, {"role": "user", "content": "Who?"}])
+    assert seen.document_id.startswith("message-") and after.document_id == mine and not cache._automatic
+    with pytest.raises(ConfigError, match="message-"):
+        cache.register(document_text, doc_id="message-mine")
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "1024"])
