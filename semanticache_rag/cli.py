@@ -30,6 +30,8 @@ def _engine(args):
     from semanticache_rag.compressors import make_compressor
     from semanticache_rag.engine import Engine
 
+    if args.compression is None:  # a ratio alone: the best measured compressor for it
+        args.compression = "auto" if args.ratio is not None else "none"
     compressor = make_compressor(args.compression, args.ratio)
     started = time.perf_counter()
     store = None if args.no_store else _store(args)
@@ -326,10 +328,15 @@ def _add_store_option(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(
-    p: argparse.ArgumentParser, compression: str = "none", ratio_default: str = "the compressor's own"
+    p: argparse.ArgumentParser, compression: str | None = None, ratio_default: str = "the compressor's own"
 ) -> None:
     p.add_argument("--model", default=None, help="transformers model id or directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--compression", default=compression, help=f"compressor name (default: {compression})")
+    p.add_argument(
+        "--compression",
+        default=compression,
+        help="none, auto (the best measured for --ratio), semanticache, kaizen, kaizen+semanticache, sekv, "
+        f"streaming_llm or kara (default: {compression or 'auto with --ratio, else none'})",
+    )
     p.add_argument(
         "--ratio",
         type=float,

@@ -104,5 +104,19 @@ def test_the_demo_reads_compressed_by_default_and_other_commands_do_not(monkeypa
         "kaizen",
         0.75,
     )
-    ask = cli.build_parser().parse_args(["ask", "doc.pdf", "-q", "Why?"])
-    assert (ask.compression, ask.ratio) == ("none", None)
+
+
+def test_a_ratio_alone_picks_the_best_measured_compressor(monkeypatch):
+    from semanticache_rag import KaizenCompressor, NoCompression, SemantiCacheCompressor, cli
+    from semanticache_rag.engine import Engine
+
+    built = []
+    monkeypatch.setattr(
+        Engine, "from_pretrained", classmethod(lambda cls, *a, compressor, **k: built.append(compressor))
+    )
+    for argv in (["--ratio", "0.9"], [], ["--compression", "semanticache", "--ratio", "0.9"]):
+        cli._engine(cli.build_parser().parse_args(["ask", "doc.pdf", "-q", "Why?", "--no-store", "--json", *argv]))
+    auto, plain, named = built
+    assert isinstance(auto, KaizenCompressor) and isinstance(auto.inner, SemantiCacheCompressor)
+    assert auto.compression_ratio == 0.9 and isinstance(plain, NoCompression)
+    assert isinstance(named, SemantiCacheCompressor)
