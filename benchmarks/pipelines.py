@@ -4,7 +4,8 @@
     ``ChatHuggingFace(HuggingFacePipeline(...))``: plain transformers generation over the whole
     prompt, so every question re-reads the document;
 (b) ``langchain``: the same chain with :class:`ChatSemantiCache` and the pages registered, full
-    cache, and ``langchain-sc75``: the same with SemantiCache at ratio 0.75;
+    cache; ``langchain-sc75``: the same with SemantiCache at ratio 0.75; ``langchain-auto75``: with
+    ``compression="auto"`` at 0.75 (Kaizen storing SemantiCache's cores);
 (c) ``llama-index``: ``SummaryIndex(...).as_query_engine(response_mode="compact")`` with
     :class:`SemantiCacheLlamaLLM` and the pages registered.
 
@@ -35,7 +36,8 @@ QUESTIONS = (
     ("Which version of babel supports the T2* encodings?", "3.6k"),
     ("Who produced the LH fonts?", "Lapko"),
 )
-PIPELINES = ("hf-pipeline", "langchain", "langchain-sc75", "llama-index")
+LANGCHAIN = {"langchain": ("none", None), "langchain-sc75": ("semanticache", 0.75), "langchain-auto75": ("auto", 0.75)}
+PIPELINES = ("hf-pipeline", *LANGCHAIN, "llama-index")
 SYSTEM = "Answer the question using only this context.\n\n{context}"
 
 
@@ -68,10 +70,9 @@ def _hf_pipeline_chain(pages, max_new_tokens: int):
     return _stuff_chain(llm, pages), lambda message: {}
 
 
-def _langchain_chain(pages, max_new_tokens: int, ratio: float | None):
+def _langchain_chain(pages, max_new_tokens: int, compression: str, ratio: float | None):
     from semanticache_rag.integrations.langchain import ChatSemantiCache
 
-    compression = "none" if ratio is None else "semanticache"
     llm = ChatSemantiCache(max_new_tokens=max_new_tokens, compression=compression, compression_ratio=ratio)
     llm.register_document(pages)
 
@@ -110,7 +111,7 @@ def run_pipeline(name: str, pdf: Path, max_new_tokens: int) -> dict:
         if name == "hf-pipeline":
             chain, usage = _hf_pipeline_chain(pages, max_new_tokens)
         else:
-            chain, usage = _langchain_chain(pages, max_new_tokens, 0.75 if name == "langchain-sc75" else None)
+            chain, usage = _langchain_chain(pages, max_new_tokens, *LANGCHAIN[name])
     setup_s = time.perf_counter() - started
     rows = []
     for question, expected in QUESTIONS:
