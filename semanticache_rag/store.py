@@ -52,8 +52,8 @@ from semanticache_rag.store_format import (
     cache_tensors,
     check_manifest,
     entry_lock,
-    is_locked,
     load_cache,
+    lock_if_free,
     remove_leftovers,
     write_tensors,
 )
@@ -363,9 +363,11 @@ class DocumentStore:
         for entry in sorted(entries, key=lambda e: (e.id == keep, e.last_used)):
             if total <= self.disk_budget_bytes:
                 break
-            if entry.id != keep and is_locked(self._lock_path(entry.id)):
-                continue
-            with contextlib.suppress(OSError):
+            # the entry just written is this process's (its lock is ours); any other is claimed first
+            claim = contextlib.nullcontext(True) if entry.id == keep else lock_if_free(self._lock_path(entry.id))
+            with claim as free, contextlib.suppress(OSError):
+                if not free:  # being read right now
+                    continue
                 self._delete(entry.id, memory=False)  # evicted from disk, not from this process's memory
                 total -= entry.disk_bytes
                 if entry.id == keep:
@@ -375,8 +377,8 @@ class DocumentStore:
     def _remove_leftovers(self, older_than_s: float) -> None:
         last_used = min([e.last_used for e in self.entries()] + [time.time()])
         remove_leftovers(self.directory, older_than_s, last_used)
-        locked = lambda entry_id: is_locked(self._lock_path(entry_id))  # noqa: E731
-        remove_unfinished(self.directory, time.time() - older_than_s, locked)
+        claim = lambda entry_id: lock_if_free(self._lock_path(entry_id))  # noqa: E731
+        remove_unfinished(self.directory, time.time() - older_than_s, claim)
 
     # -- listing and removing -------------------------------------------------------------
 

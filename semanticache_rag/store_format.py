@@ -103,15 +103,21 @@ def entry_lock(path: Path, timeout_s: float):
             lock.release()
 
 
-def is_locked(path: Path) -> bool:
-    """Whether another reader holds the file lock at ``path`` right now."""
-    lock = FileLock(path, timeout=0)
+@contextlib.contextmanager
+def lock_if_free(path: Path):
+    """Hold the file lock at ``path`` for the block if no reader holds it now: yields True (held, so
+    no reader can start until the block ends) or False (a reader has it). Deleting under it closes
+    the window a look-then-delete would leave open."""
     try:
+        lock = FileLock(path, timeout=0)
         lock.acquire()
     except OSError:
-        return True
-    lock.release()
-    return False
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def remove_leftovers(directory: Path, older_than_s: float, last_used: float) -> None:

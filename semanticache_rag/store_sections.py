@@ -111,16 +111,20 @@ class SectionFiles:
         self.records[k] = record
 
 
-def remove_unfinished(directory: Path, cutoff: float, locked) -> None:
+def remove_unfinished(directory: Path, cutoff: float, claim) -> None:
     """Delete section folders without a manifest (reads that crashed or were interrupted) last
-    written before ``cutoff`` (epoch s), unless ``locked(entry_id)``: a read still under way."""
+    written before ``cutoff`` (epoch s). ``claim(entry_id)`` is a context manager that yields
+    whether the entry's lock was free (and holds it for the block): a read still under way keeps
+    its folder, and none can start while the folder goes."""
     with contextlib.suppress(OSError):
         for folder in directory.glob(f"*{SECTIONS_SUFFIX}"):
             entry_id = folder.name.removesuffix(SECTIONS_SUFFIX)
             if not ENTRY_ID.fullmatch(entry_id) or (directory / f"{entry_id}.json").exists():
                 continue
-            if folder.stat().st_mtime < cutoff and not locked(entry_id):
-                remove_folder(folder)
+            if folder.stat().st_mtime < cutoff:
+                with claim(entry_id) as free:
+                    if free and not (directory / f"{entry_id}.json").exists():  # finished meanwhile: keep it
+                        remove_folder(folder)
 
 
 def sectioned_records(cache: SectionedCache, files: SectionFiles, head_sha256: str, head_bytes: int) -> dict | None:

@@ -101,6 +101,20 @@ def test_leftover_sections_of_an_abandoned_read_are_removed(engine, long_text, m
     assert not folder.exists()
 
 
+def test_cleanup_leaves_the_sections_of_a_read_under_way(engine, long_text):
+    from filelock import FileLock
+
+    engine.read(long_text, progress=False)
+    folder, entry_id = sections_folder(engine, long_text)
+    (engine.store.directory / f"{entry_id}.json").unlink()  # unfinished, as while it is being read
+    reader = FileLock(engine.store._lock_path(entry_id))  # another process reading it
+    with reader:
+        engine.store._remove_leftovers(0)
+        assert folder.exists()
+    engine.store._remove_leftovers(0)
+    assert not folder.exists()
+
+
 @pytest.mark.parametrize("damaged", ["section", "head"])
 def test_only_what_is_damaged_is_read_again(engine, long_text, caplog, monkeypatch, damaged):
     """A damaged section: that section alone is read again. A damaged head (or manifest): the head is
