@@ -44,11 +44,11 @@ KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "ch
 
 OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm", "kaizen", "kaizen+semanticache")
 # SemantiCache's fact-keeping parts switched one at a time (the default keeps digit and surprisal
-# anchors, token by token)
+# anchors, each with its whole word)
 ABLATIONS = {
-    "semanticache-word": {"anchor_unit": "word"},
-    "semanticache-word-names": {"anchor_unit": "word", "protect_names": True},
-    "semanticache-no-digits": {"protect_digits": False},
+    "semanticache-token": {"anchor_unit": "token"},
+    "semanticache-names": {"protect_names": True},
+    "semanticache-token-no-digits": {"anchor_unit": "token", "protect_digits": False},
     "semanticache-no-anchors": {"protect_digits": False, "anchor_std": None},
 }
 
