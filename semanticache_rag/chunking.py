@@ -42,8 +42,13 @@ def word_ids(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     space or the previous token's text ends with it."""
     if token_ids.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
-    leads = _token_test(token_ids, tokenizer, lambda text: text[:1].isspace())
-    trails = _token_test(token_ids, tokenizer, lambda text: text[-1:].isspace())
+    return _word_ids(*_token_texts(token_ids, tokenizer))
+
+
+def _word_ids(texts: list[str], inverse: torch.Tensor) -> torch.Tensor:
+    """:func:`word_ids` from :func:`_token_texts` (decoded once by the caller)."""
+    leads = torch.tensor([text[:1].isspace() for text in texts], dtype=torch.bool)[inverse]
+    trails = torch.tensor([text[-1:].isspace() for text in texts], dtype=torch.bool)[inverse]
     starts = leads.clone()
     starts[1:] |= trails[:-1]
     starts[0] = True
@@ -59,8 +64,8 @@ def name_mask(token_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     """
     if token_ids.numel() == 0:
         return torch.zeros(0, dtype=torch.bool)
-    words = word_ids(token_ids, tokenizer)
     texts, inverse = _token_texts(token_ids, tokenizer)
+    words = _word_ids(texts, inverse)
     spelled = [""] * (int(words[-1]) + 1)
     for word, index in zip(words.tolist(), inverse.tolist()):
         spelled[word] += texts[index]

@@ -56,9 +56,11 @@ def expand_layer(layer, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
             f"the layer's heads stand for {sorted(set(totals.tolist()))} tokens, not the prefix's {tokens}: "
             "a cache that dropped tokens cannot be expanded"
         )
-    expanded_keys = [torch.repeat_interleave(keys[0, h], counts[h], dim=0) for h in range(counts.shape[0])]
-    expanded_values = [torch.repeat_interleave(values[0, h], counts[h], dim=0) for h in range(counts.shape[0])]
-    return torch.stack(expanded_keys)[None], torch.stack(expanded_values)[None]
+
+    def expand(tensor: torch.Tensor) -> torch.Tensor:  # heads may differ in entries, not in tokens
+        return torch.stack([torch.repeat_interleave(tensor[0, h], counts[h], dim=0) for h in range(len(counts))])[None]
+
+    return expand(keys), expand(values)
 
 
 def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

@@ -167,6 +167,13 @@ class PromptCache:
             self._add(doc_id, document, _anchor_pairs(raw, document.text), pages or ())
         return doc_id
 
+    def _touch(self, doc_id: str) -> bool:
+        """Mark a document from a message as used now (least recently used go first); False for others."""
+        if doc_id not in self._automatic:
+            return False
+        self._automatic.move_to_end(doc_id)
+        return True
+
     def _forget(self, doc_id: str) -> None:
         self._automatic.pop(doc_id, None)
         for table in (self.documents, self._anchors, self._pieces):
@@ -203,8 +210,7 @@ class PromptCache:
         document = document_from_text(content)  # never a path, whatever the text says
         doc_id = f"{_MESSAGE}{document.sha256[:16]}"
         with self._lock:
-            if doc_id in self._automatic:
-                self._automatic.move_to_end(doc_id)
+            if self._touch(doc_id):
                 return
             self._add(doc_id, document, _anchor_pairs([content], document.text), ())
             self._automatic[doc_id] = None
@@ -254,10 +260,9 @@ class PromptCache:
         if found is None and (content := self._long_message(messages)) is not None:
             self._register_message(content)
             found = self.locate(text)
-        elif found is not None and found[0].startswith(_MESSAGE):
-            with self._lock:  # least recently used first out: this one was used now
-                if found[0] in self._automatic:
-                    self._automatic.move_to_end(found[0])
+        elif found is not None:
+            with self._lock:
+                self._touch(found[0])
         cache, created, doc_id, split = self._empty_cache(), (0, 0.0), None, 0
         if found:
             doc_id, start, split = found
