@@ -50,6 +50,18 @@ def test_bootstrap_interval_holds_the_mean_and_narrows_with_more_questions():
     (low, high), (low_many, high_many) = bootstrap_interval(few), bootstrap_interval(many)
     assert low < 0.5 < high and low < low_many < 0.5 < high_many < high
     assert bootstrap_interval([1.0] * 5) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="no scores"):
+        bootstrap_interval([])
+
+
+def test_reusing_rows_needs_a_run_to_add_to(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from benchmarks import ruler
+
+    argv = ["ruler", "--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--reuse-rows", "x.jsonl"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        ruler.main()
+    assert "does not exist: run the benchmark first" in capsys.readouterr().err
 
 
 def test_quick_run_writes_results(tiny_model_dir, tmp_path, monkeypatch):
