@@ -58,8 +58,8 @@ def proportional_attention(
     kv_heads = new_keys.shape[1]
     group = heads // kv_heads
     scaling = dim**-0.5 if scaling is None else scaling
-    mask = _causal_mask(num_queries, new_keys.shape[2], query.device)
     if doc_keys is None or doc_keys.shape[2] == 0:
+        mask = _causal_mask(num_queries, new_keys.shape[2], query.device)
         out = F.scaled_dot_product_attention(
             query, new_keys, new_values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
         )
@@ -70,7 +70,9 @@ def proportional_attention(
     if doc_log_sizes is not None:
         doc_scores = doc_scores + doc_log_sizes[:, :, None, :].float()
     new_scores = torch.matmul(q, new_keys.transpose(-1, -2)).float() * scaling
-    new_scores = new_scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
+    if num_queries > 1:  # one query (a decoding step) sees every appended token: nothing to mask
+        mask = _causal_mask(num_queries, new_keys.shape[2], query.device)
+        new_scores = new_scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
     # -- one softmax over both segments, so the document and the new tokens compete fairly
     probs = torch.softmax(torch.cat([doc_scores, new_scores], dim=-1), dim=-1).to(query.dtype)
     num_doc = doc_keys.shape[2]

@@ -124,15 +124,18 @@ class Engine:
         compressor: Compressor | None = None,
         device: str | None = None,
         dtype=None,
+        weights: str = "model",
         **kwargs,
     ) -> Engine:
         """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it.
 
+        ``weights``: ``"model"`` (as loaded), or ``"bf16"`` / ``"int8"`` / ``"int4"`` weight-only
+        matrices for faster decoding on CPUs (see :mod:`semanticache_rag.weights`).
         ``kwargs`` are the constructor's (``store=DocumentStore()`` keeps document caches on disk).
         """
         from semanticache_rag.models import load_model
 
-        hf_model, tokenizer, name = load_model(model, device=device, dtype=dtype)
+        hf_model, tokenizer, name = load_model(model, device=device, dtype=dtype, weights=weights)
         return cls(hf_model, tokenizer, compressor=compressor, model_name=name, **kwargs)
 
     @property

@@ -144,8 +144,11 @@ def _discard(target: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load_model(name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None):
+def load_model(name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None, weights: str = "model"):
     """Load ``(model, tokenizer, model_name)`` with the package's attention function registered.
+
+    ``weights`` stores the matrices as loaded (``"model"``) or as ``"bf16"``, ``"int8"`` or
+    ``"int4"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`).
 
     Raises
     ------
@@ -155,6 +158,9 @@ def load_model(name: str | os.PathLike[str] | None = None, device: str | None = 
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from semanticache_rag.weights import check_weights, convert_weights
+
+    check_weights(weights)
     path = resolve_model(name)
     attn = register_attention()
     try:
@@ -168,4 +174,5 @@ def load_model(name: str | os.PathLike[str] | None = None, device: str | None = 
     if device:
         model.to(device)
     model.eval()
+    convert_weights(model, weights)
     return model, tokenizer, DEFAULT_MODEL if name is None else str(name)

@@ -86,8 +86,9 @@ def model_identity(engine, memo: Path | None = None) -> str:
     Weights are hashed from the model's files on disk when it was loaded from a local directory
     (SHA-256 of each weight file, memoised in ``memo`` by path, size and modification time, so a
     process pays it once per model file, ~0.7 s for the default model's 540 MB); otherwise from
-    the in-memory state dict (names, dtypes, shapes, bytes). Config, dtype, tokenizer, prompt head
-    prefill chunk and section sizes are part of the identity too: each changes the cached keys and values.
+    the in-memory state dict (names, dtypes, shapes, bytes). Weight format (:mod:`.weights`), config,
+    dtype, tokenizer, prompt head, prefill chunk and section sizes are part of the identity too: each
+    changes the cached keys and values.
     """
     if engine in _IDENTITIES:
         return _IDENTITIES[engine]
@@ -98,6 +99,7 @@ def model_identity(engine, memo: Path | None = None) -> str:
     parts = {
         "class": type(model).__name__,
         "dtype": str(model.dtype),
+        "weights_format": getattr(model, "semanticache_weights", "model"),
         "config": config,
         "weights": weights_digest(model, memo),
         "tokenizer": _digest(vocab),

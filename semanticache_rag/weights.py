@@ -1,0 +1,151 @@
+"""How a model's matrices are stored and multiplied on a CPU: as loaded, bf16, int8 or int4.
+
+Answering a question is mostly decoding, and a decode step reads every weight once: with the
+default model's 135M parameters in fp32 that is 0.5 GB per token, far more than a compressed
+document cache. :func:`convert_weights` swaps the decoder's ``nn.Linear`` modules (and the output
+head) for weight-only low-precision ones; the residual stream, the norms, the KV cache and the
+attention stay in the model's dtype, only the weight products change:
+
+``"bf16"``
+    bf16 weights, bf16 products (AVX-512 bf16 where the CPU has it).
+``"int8"``
+    one int8 per weight and one scale per output row (``torch._weight_int8pack_mm``).
+``"int4"``
+    4-bit codes in groups of 32 along the input, each group with a scale and a minimum: the layout
+    of GGUF's Q4_1, which is how the default model ships, so the int4 codes are the GGUF's own
+    (:func:`group_codes` finds them again in the dequantised weights) and only the scales are
+    rounded to bf16 (``torch._weight_int4pack_mm_for_cpu``). The output head stays bf16: as int8
+    per row it tripled the KL to the fp32 model's next-token distributions for 4% of the time.
+
+Products take bf16 inputs (the fast path of torch's int8/int4 CPU kernels; fp32 inputs are 10-20×
+slower there). Answers change slightly: ``benchmarks/speed.py`` reports the KL divergence of
+each format's next-token distributions to the fp32 model's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from semanticache_rag.errors import ConfigError
+
+WEIGHTS = ("model", "bf16", "int8", "int4")
+GROUP = 32  # GGUF's Q4_1 block; torch's int4 CPU kernel takes 32, 64, 128 or 256
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+
+
+class _WeightOnlyLinear(nn.Module):
+    """A linear layer whose product runs in bf16 from low-precision weights; input and output keep their dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        out = self.product(flat).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class BF16Linear(_WeightOnlyLinear):
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        self.register_buffer("weight", linear.weight.detach().to(COMPUTE_DTYPE))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Int8Linear(_WeightOnlyLinear):
+    """Symmetric int8 weights with one scale per output row."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("codes", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.codes, self.scales)
+
+
+def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 codes of ``weight`` (out, in): ``(codes, scales, minimums)`` with ``w ≈ codes * scale + minimum``.
+
+    Per group of ``group`` inputs, the minimum is the group's smallest weight and the scale a
+    fifteenth of its range, as llama.cpp quantises Q4_1; on weights dequantised from Q4_1 that
+    finds the file's codes again (the group's smallest weight has code 0, its largest code 15).
+    """
+    rows, columns = weight.shape
+    blocks = weight.float().reshape(rows, columns // group, group)
+    low = blocks.amin(dim=-1, keepdim=True)
+    scale = (blocks.amax(dim=-1, keepdim=True) - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((blocks - low) / safe).clamp(0, 15)
+    return codes.reshape(rows, columns).to(torch.int32), scale.squeeze(-1), low.squeeze(-1)
+
+
+class Int4Linear(_WeightOnlyLinear):
+    """4-bit codes in groups of :data:`GROUP` inputs, each group with a scale and a minimum (GGUF's Q4_1)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        codes, scale, low = group_codes(linear.weight.detach())
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        # the kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; (in / group, out, 2)
+        zeros = low + 8 * scale
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+
+
+_LAYER_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
+_HEAD_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear}
+
+
+def convert_weights(model: nn.Module, weights: str) -> nn.Module:
+    """Swap ``model``'s linear layers for ``weights``-format ones, in place; return the model.
+
+    ``"model"`` leaves it as it is. The input embedding stays as loaded (a lookup reads one row
+    per token), and so does any linear layer whose input size is not a multiple of the int4 group.
+    The format is recorded as ``model.semanticache_weights`` (part of a stored cache's key).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown format, a model not on the CPU (these kernels are torch's CPU ones; on a GPU
+        load the model in bf16 instead), or a model converted before.
+    """
+    check_weights(weights)
+    done = getattr(model, "semanticache_weights", "model")
+    if weights == "model":
+        return model
+    if done != "model":
+        raise ConfigError(f"the model's weights are already {done!r}; load it again to use {weights!r}")
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ConfigError(f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or (weights == "int4" and child.in_features % GROUP):
+                continue
+            kind = (_HEAD_KINDS if child is head else _LAYER_KINDS)[weights]
+            setattr(parent, name, kind(child))
+    model.semanticache_weights = weights
+    return model

@@ -1,0 +1,111 @@
+"""Weight formats for CPU decoding: bf16, int8 and int4 (GGUF Q4_1's layout) linear layers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests_support import needs_default_model
+
+from semanticache_rag import Engine
+from semanticache_rag.errors import ConfigError
+from semanticache_rag.store_key import model_identity
+from semanticache_rag.weights import BF16Linear, Int4Linear, Int8Linear, convert_weights, group_codes
+
+
+def _q4_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Weights that Q4_1 holds exactly: per group of 32, codes 0..15 (both ends present) * scale + minimum."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, columns // 32, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(rows, columns // 32, 1, generator=g) * 0.01 + 1e-3
+    low = torch.randn(rows, columns // 32, 1, generator=g) * 0.05
+    return (codes * scale + low).reshape(rows, columns)
+
+
+def test_group_codes_finds_q4_1_codes_again():
+    weight = _q4_weights(64, 96)
+    codes, scale, low = group_codes(weight)
+    assert codes.min() == 0 and codes.max() == 15
+    rebuilt = (codes.float().reshape(64, 3, 32) * scale[..., None] + low[..., None]).reshape(64, 96)
+    assert torch.equal(rebuilt, weight) or torch.allclose(rebuilt, weight, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kind, tolerance",
+    # relative to the largest output: bf16 inputs round at 2**-9; int8 rows add absmax / 254 per weight
+    [(BF16Linear, 0.01), (Int8Linear, 0.02), (Int4Linear, 0.01)],
+)
+def test_weight_only_linear_matches_the_full_precision_product(kind, tolerance):
+    linear = torch.nn.Linear(96, 64, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_weights(64, 96, seed=1))  # exact for Int4Linear, any weights for the others
+    x = torch.randn(2, 5, 96)
+    want = linear(x)
+    got = kind(linear)(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_int4_of_arbitrary_weights_is_within_half_a_step():
+    linear = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(1, 64)
+    codes, scale, low = group_codes(linear.weight.detach())
+    rebuilt = (codes.float().reshape(32, 2, 32) * scale[..., None] + low[..., None]).reshape(32, 64)
+    assert ((rebuilt - linear.weight).abs() <= scale.repeat_interleave(32, 1) / 2 + 1e-7).all()
+    assert torch.allclose(Int4Linear(linear)(x), x @ rebuilt.T, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tokenizer, weights):
+    model = convert_weights(copy.deepcopy(tiny_llama), weights)
+    kinds = {type(m) for m in model.modules()}
+    assert {BF16Linear, Int8Linear, Int4Linear} & kinds and torch.nn.Linear not in kinds
+    assert model.semanticache_weights == weights
+    ids = torch.tensor([tiny_tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]])
+    with torch.inference_mode():
+        want = tiny_llama(ids).logits.float().log_softmax(-1)
+        got = model(ids).logits.float().log_softmax(-1)
+    kl = (want.exp() * (want - got)).sum(-1)
+    assert kl.mean() < 0.01, float(kl.mean())
+    # and the engine answers from a cache with it, as with the original weights
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    cache = engine.read("Alpha beta gamma. " * 20, progress=False)
+    assert engine.ask(cache, "What?", max_new_tokens=4).completion_tokens >= 1
+
+
+def test_weight_format_is_part_of_a_stored_cache_key(tiny_llama, tiny_tokenizer):
+    original = Engine(tiny_llama, tiny_tokenizer, model_name="tiny")
+    converted = Engine(convert_weights(copy.deepcopy(tiny_llama), "int4"), tiny_tokenizer, model_name="tiny")
+    assert model_identity(original) != model_identity(converted)
+
+
+def test_bad_weight_options_are_config_errors(tiny_llama):
+    model = copy.deepcopy(tiny_llama)
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        convert_weights(model, "int3")
+    assert convert_weights(model, "model") is model and not hasattr(model, "semanticache_weights")
+    convert_weights(model, "int8")
+    with pytest.raises(ConfigError, match="already 'int8'"):
+        convert_weights(model, "int4")
+
+
+@pytest.mark.slow
+@needs_default_model
+def test_default_model_int4_keeps_the_gguf_codes_and_answers():
+    """int4 holds the default model's decoder weights exactly (they are the GGUF's Q4_1 values)."""
+    engine = Engine.from_pretrained(weights="int4")
+    layers = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 7 * engine.model.config.num_hidden_layers
+    from semanticache_rag.models import load_model
+
+    original, _, _ = load_model(None)
+    for name, module in original.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            weight = module.weight.detach()
+            codes, scale, low = group_codes(weight)
+            rebuilt = codes.float().unflatten(1, (-1, 32)) * scale[..., None] + low[..., None]
+            assert torch.equal(rebuilt.flatten(1), weight), name
+    cache = engine.read("The vault code for the east wing is 4417. " + "Nothing else happened. " * 40, progress=False)
+    assert "4417" in engine.ask(cache, "What is the vault code for the east wing?", max_new_tokens=24).answer
