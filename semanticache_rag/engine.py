@@ -161,7 +161,10 @@ class Engine:
         """Run ``ids`` at positions ``start...`` appending to ``kv``; return their last logits (K, V)."""
         input_ids = torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        lean = getattr(self.model, "semanticache_forward", None)
         with self._lock, torch.inference_mode():
+            if lean is not None:  # converted weights on a Llama model: fused products (semanticache_rag.fused)
+                return lean(kv, input_ids, positions, logits_to_keep)[0]
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions,

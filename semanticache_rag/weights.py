@@ -123,7 +123,9 @@ def convert_weights(model: nn.Module, weights: str) -> nn.Module:
 
     ``"model"`` leaves it as it is. The input embedding stays as loaded (a lookup reads one row
     per token), and so does any linear layer whose input size is not a multiple of the int4 group.
-    The format is recorded as ``model.semanticache_weights`` (part of a stored cache's key).
+    The format is recorded as ``model.semanticache_weights`` (part of a stored cache's key). A
+    Llama model also gets fused query/key/value and gate/up products and a lean forward pass for
+    the engine (:mod:`.fused`), ``model.semanticache_forward``.
 
     Raises
     ------
@@ -140,7 +142,12 @@ def convert_weights(model: nn.Module, weights: str) -> nn.Module:
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ConfigError(f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16")
+    from semanticache_rag import fused
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if fused.supports(model) and (weights != "int4" or model.config.hidden_size % GROUP == 0):
+        fused.fuse_projections(model, _LAYER_KINDS[weights])
+        model.semanticache_forward = fused.FusedLlama(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or (weights == "int4" and child.in_features % GROUP):

@@ -97,7 +97,7 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
     """int4 holds the default model's decoder weights exactly (they are the GGUF's Q4_1 values)."""
     engine = Engine.from_pretrained(weights="int4")
     layers = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
-    assert len(layers) == 7 * engine.model.config.num_hidden_layers
+    assert len(layers) == 4 * engine.model.config.num_hidden_layers  # q|k|v, o, gate|up, down
     from semanticache_rag.models import load_model
 
     original, _, _ = load_model(None)
@@ -109,3 +109,34 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
             assert torch.equal(rebuilt.flatten(1), weight), name
     cache = engine.read("The vault code for the east wing is 4417. " + "Nothing else happened. " * 40, progress=False)
     assert "4417" in engine.ask(cache, "What is the vault code for the east wing?", max_new_tokens=24).answer
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_llama, tiny_tokenizer, weights):
+    from semanticache_rag.fused import FusedLlama, RowSlice
+    from semanticache_rag.kv import ConversationKV
+
+    model = convert_weights(copy.deepcopy(tiny_llama), weights)
+    assert isinstance(model.semanticache_forward, FusedLlama)
+    assert isinstance(model.model.layers[0].self_attn.k_proj, RowSlice)
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    cache = engine.read("Alpha beta gamma delta. " * 30, progress=False)
+    ids = tiny_tokenizer("Which letter comes after beta?")["input_ids"]
+    lean_kv, stock_kv = ConversationKV(cache.layers), ConversationKV(cache.layers)
+    lean = engine.forward(lean_kv, ids, cache.positions, logits_to_keep=len(ids))
+    with torch.inference_mode():  # transformers' own forward, through the row slices
+        positions = torch.arange(cache.positions, cache.positions + len(ids))[None]
+        stock = model(
+            input_ids=torch.tensor([ids]), position_ids=positions, use_cache=True, logits_to_keep=len(ids),
+            semanticache_kv=stock_kv, cache=stock_kv,
+        ).logits[0]
+    assert torch.allclose(lean, stock, rtol=0, atol=1e-5)
+    step = engine.forward(lean_kv, [5], cache.positions + len(ids))
+    with torch.inference_mode():
+        stock_step = model(
+            input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[cache.positions + len(ids)]]), use_cache=True,
+            semanticache_kv=stock_kv, cache=stock_kv,
+        ).logits[0, -1:]
+    assert torch.allclose(step, stock_step, rtol=0, atol=1e-5)
+    # and stock generation still runs on the sliced projections
+    assert model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False).shape[1] == len(ids) + 3

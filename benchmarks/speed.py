@@ -1,0 +1,211 @@
+"""Speed on CPUs: reading and decoding, ours against llama.cpp's ``llama-bench``, on the default model.
+
+For each context length: llama.cpp's prompt processing (tok/s, at depth 0) and token generation at
+that depth (ms/token), with the model file we ship (Q4_1 GGUF) and ``llama-bench`` built by
+``benchmarks/llama_bench.py``; then ours, per weight format (``--weights``: fp32 as converted, and
+int4 with the GGUF's own codes), reading the same text once and, per cache (full, SemantiCache
+0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time, decode ms/token (median of
+``--steps`` steps after a question), the bytes a step reads (weights + document cache) over the
+machine's measured read bandwidth (the floor), and the KL divergence of the next-token
+distributions to the fp32 full cache's, teacher-forced on its greedy answer.
+
+    python -m benchmarks.speed [--lengths 2000 4000 7000] [--steps 32] [--no-llama-cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.followup_latency import real_document
+from benchmarks.report import environment
+from semanticache_rag import Engine, make_compressor
+from semanticache_rag.kv import ConversationKV
+from semanticache_rag.models import default_gguf
+from semanticache_rag.prompts import Turn
+
+RESULTS = Path(__file__).parent / "results" / "speed"
+QUESTION = "What is the special magic number for the blue harbor mentioned in the document?"
+CACHES = (
+    ("full", "none", None),
+    ("SemantiCache 0.5", "semanticache", 0.5),
+    ("SemantiCache 0.75", "semanticache", 0.75),
+    ("SemantiCache 0.9", "semanticache", 0.9),
+    ("Kaizen 0.75", "kaizen", 0.75),
+    ("Kaizen + SemantiCache 0.9", "kaizen+semanticache", 0.9),
+)
+
+
+def read_bandwidth() -> float:
+    """Bytes per second this machine reads (median ``sum`` of a 512 MiB tensor)."""
+    data = torch.ones(128 * 1024 * 1024)
+    data.sum()
+    times = []
+    for _ in range(7):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    return data.numel() * data.element_size() / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights a decoding step reads: every parameter and buffer but the input embedding table."""
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and getattr(output, "weight", None) is embedding
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor is embedding and not tied:
+            continue
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
+    """llama-bench's prompt processing at depth 0 and generation at each depth, 2 threads."""
+    from benchmarks.llama_bench import ensure_llama_bench
+
+    build = ensure_llama_bench()
+    rows = []
+    for args in (["-p", ",".join(map(str, lengths)), "-n", "0"], ["-p", "0", "-n", str(steps), "-d", ",".join(map(str, lengths))]):
+        command = [build["binary"], "-m", str(default_gguf()), "-t", str(torch.get_num_threads()), "-r", "2", "-o", "json", *args]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        for r in json.loads(out):
+            if r["n_prompt"]:
+                rows.append({"system": "llama.cpp", "tokens": r["n_prompt"], "read_tok_s": round(r["avg_ts"], 1)})
+            else:
+                rows.append({"system": "llama.cpp", "tokens": r["n_depth"], "decode_ms": round(1000 / r["avg_ts"], 1)})
+    return [{**r, "build_s": build["build_s"], "version": build["version"]} for r in rows]
+
+
+def decode(engine: Engine, cache, steps: int, forced: list[int] | None):
+    """Greedy (or ``forced``) decoding after the question: (token ids, log-probs per step, seconds per step)."""
+    tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
+    kv = ConversationKV(cache.layers)
+    logits = engine.forward(kv, tail, cache.positions)[-1]
+    ids, logprobs, times = [], [], []
+    for step in range(steps):
+        logprobs.append(logits.float().log_softmax(-1))
+        token = forced[step] if forced is not None else int(logits.argmax())
+        ids.append(token)
+        started = time.perf_counter()
+        logits = engine.forward(kv, [token], cache.positions + len(tail) + step)[-1]
+        times.append(time.perf_counter() - started)
+    return ids, torch.stack(logprobs), times
+
+
+def ours(lengths: list[int], steps: int, formats: list[str], bandwidth: float) -> list[dict]:
+    rows, reference = [], {}
+    for weights in formats:  # "model" first: its full cache is the reference of every KL
+        engine = Engine.from_pretrained(weights=weights)
+        step_weights = weight_bytes(engine.model)
+        for tokens in lengths:
+            prefill = engine.prefill(real_document(engine.tokenizer, tokens), progress=False, surprisal=True)
+            for name, compression, ratio in CACHES:
+                cache = engine.compress(prefill, make_compressor(compression, ratio))
+                ids, logprobs, times = decode(engine, cache, steps, reference.get(tokens, (None,))[0])
+                if weights == "model" and compression == "none":
+                    reference[tokens] = (ids, logprobs)
+                want = reference[tokens][1]
+                kl = (want.exp() * (want - logprobs)).sum(-1)
+                step_bytes = step_weights + cache.nbytes
+                row = {
+                    "system": "ours",
+                    "weights": weights,
+                    "cache": name,
+                    "tokens": tokens,
+                    "context_tokens": cache.length,
+                    "read_tok_s": round(cache.length / prefill.seconds, 1),
+                    "compress_s": round(cache.compress_s, 2),
+                    "compress_share": round(cache.compress_s / prefill.seconds, 3),
+                    "decode_ms": round(1000 * statistics.median(times), 1),
+                    "step_mib": round(step_bytes / 2**20, 1),
+                    "floor_ms": round(1000 * step_bytes / bandwidth, 1),
+                    "kl_to_fp32_full": round(float(kl.mean()), 5),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del engine
+    return rows
+
+
+def table(rows: list[dict], lengths: list[int]) -> str:
+    """Decode ms/token (floor) per length, one line per system and cache; then read speeds."""
+    head = ["system", *[f"{t} tokens" for t in lengths], "KL to fp32 full", "compress / read (max)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cell = {(r["system"], r.get("weights"), r.get("cache"), r["tokens"]): r for r in rows if "decode_ms" in r}
+    keys = dict.fromkeys((r["system"], r.get("weights"), r.get("cache")) for r in rows if "decode_ms" in r)
+    for key in keys:
+        found = [cell.get((*key, t)) for t in lengths]
+        decode = [f"{r['decode_ms']}" + (f" ({r['floor_ms']})" if "floor_ms" in r else "") if r else "" for r in found]
+        kls = [r["kl_to_fp32_full"] for r in found if r and "kl_to_fp32_full" in r]
+        shares = [r["compress_share"] for r in found if r and "compress_share" in r]
+        name = "llama.cpp, Q4_1 GGUF" if key[0] == "llama.cpp" else f"ours, {key[1]} weights, {key[2]}"
+        kl = f"{statistics.mean(kls):.4f}" if kls else ""
+        share = f"{max(shares):.0%}" if shares and key[2] != "full" else ""
+        lines.append(f"| {name} | " + " | ".join(decode) + f" | {kl} | {share} |")
+    reads = {}
+    for r in rows:
+        if "read_tok_s" in r and (r["system"] == "llama.cpp" or r["cache"] == "full"):
+            reads.setdefault(r["system"] if r["system"] == "llama.cpp" else f"ours, {r['weights']} weights", {})[r["tokens"]] = r["read_tok_s"]
+    for name, speeds in reads.items():
+        lines.append(f"| read tok/s: {name} | " + " | ".join(str(speeds.get(t, "")) for t in lengths) + " | | |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    llama = sorted((r["tokens"], r["decode_ms"]) for r in rows if r["system"] == "llama.cpp" and "decode_ms" in r)
+    if llama:
+        ax.plot(*zip(*llama), color="black", linestyle="--", marker="s", label="llama.cpp (Q4_1)")
+    for key in dict.fromkeys((r["weights"], r["cache"]) for r in rows if r["system"] == "ours"):
+        points = sorted((r["tokens"], r["decode_ms"]) for r in rows if r["system"] == "ours" and (r["weights"], r["cache"]) == key)
+        ax.plot(*zip(*points), marker="o", linestyle="-" if key[0] != "model" else ":", label=f"{key[0]}, {key[1]}")
+    ax.set_xlabel("document tokens in context")
+    ax.set_ylabel("decode ms / token (2 threads)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 7000])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--weights", nargs="+", default=["model", "int4"])
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    args = parser.parse_args()
+    if args.weights[0] != "model":
+        parser.error("--weights must start with 'model': its full cache is the reference of the KL")
+    started = time.perf_counter()
+    bandwidth = read_bandwidth()
+    rows = [] if args.no_llama_cpp else llama_cpp(args.lengths, args.steps)
+    rows += ours(args.lengths, args.steps, args.weights, bandwidth)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "speed.json").write_text(json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=1) + "\n")
+    plot(rows, RESULTS / "speed.png")
+    text = (
+        f"# Speed on CPUs\n\n`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps}`; "
+        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s (floor = bytes a step reads / that).\n\n"
+        + table(rows, args.lengths)
+        + f"\n\n{environment(started)}\n"
+    )
+    (RESULTS / "speed.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

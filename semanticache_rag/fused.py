@@ -1,0 +1,119 @@
+"""A lean forward pass for Llama-family models with weight-only matrices (:mod:`.weights`).
+
+With int4 weights a decoding step of the default model spends less time in its matrix products
+than in the few thousand small tensor operations around them. This forward pass does what
+``LlamaForCausalLM.forward`` does, with one product for the query, key and value projections and
+one for the gate and up projections (fused when the weights are converted), one cast to the
+product dtype per product, RoPE from the model's own inverse frequencies, and the same attention
+function and cache (:func:`~semanticache_rag.attention.semanticache_attention`, hooks included).
+The model's ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` become row slices of the
+fused products (:class:`RowSlice`), so transformers' own forward (``model.generate``) still works,
+at the price of computing the fused product once per slice.
+
+It applies to ``LlamaForCausalLM`` with RoPE that does not depend on the sequence length; other
+models keep transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from semanticache_rag.attention import semanticache_attention
+
+_STATIC_ROPE = ("default", "linear", "llama3")
+
+
+class RowSlice(nn.Module):
+    """Rows ``start:stop`` of a fused linear layer's output (what the replaced projection returned)."""
+
+    def __init__(self, fused: nn.Module, start: int, stop: int):
+        super().__init__()
+        self.fused, self.start, self.stop = fused, start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+
+def _concatenated(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear layer whose output is the outputs of ``linears`` side by side."""
+    biases = [lin.bias for lin in linears]
+    fused = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=biases[0] is not None)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat(biases))  # type: ignore[arg-type]
+    return fused
+
+
+def supports(model) -> bool:
+    """Whether :class:`FusedLlama` can run ``model``."""
+    config = model.config
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    return type(model).__name__ == "LlamaForCausalLM" and rope in _STATIC_ROPE and config.hidden_act == "silu"
+
+
+def fuse_projections(model, kind) -> None:
+    """Replace each layer's q/k/v and gate/up projections by one ``kind`` layer each (and row slices)."""
+    for layer in model.model.layers:
+        for owner, names, fused_name in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+            (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj"),
+        ):
+            linears = [getattr(owner, n) for n in names]
+            fused = kind(_concatenated(linears))
+            setattr(owner, fused_name, fused)
+            start = 0
+            for name, linear in zip(names, linears):
+                setattr(owner, name, RowSlice(fused, start, start + linear.out_features))
+                start += linear.out_features
+
+
+class FusedLlama:
+    """``forward(kv, ids, start, logits_to_keep)`` of a Llama model whose projections were fused."""
+
+    def __init__(self, model):
+        self.model = model
+        config = model.config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        rotary = model.model.rotary_emb
+        self.inv_freq, self.rope_scale = rotary.inv_freq, rotary.attention_scaling
+
+    @staticmethod
+    def _norm(module, x: torch.Tensor) -> torch.Tensor:
+        # LlamaRMSNorm's arithmetic, in its order
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        return module.weight * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def __call__(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        core = self.model.model
+        x = core.embed_tokens(input_ids)
+        length = input_ids.shape[1]
+        freqs = position_ids[..., None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.rope_scale).to(x.dtype)[:, None]
+        sin = (angles.sin() * self.rope_scale).to(x.dtype)[:, None]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for index, layer in enumerate(core.layers):
+            attention = layer.self_attn
+            qkv = attention.qkv_proj(self._norm(layer.input_layernorm, x))
+            q = qkv[..., :q_size].view(1, length, self.heads, self.head_dim).transpose(1, 2)
+            k = qkv[..., q_size : q_size + kv_size].view(1, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = qkv[..., q_size + kv_size :].view(1, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            keys, values = kv.update(self._rope(k, cos, sin), v, index)
+            out, _ = semanticache_attention(
+                attention, self._rope(q, cos, sin), keys, values, None, scaling=attention.scaling, semanticache_kv=kv
+            )
+            x = x + attention.o_proj(out.reshape(1, length, q_size))
+            mlp = layer.mlp
+            gate, up = mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
+            x = x + mlp.down_proj(F.silu(gate) * up)
+        x = self._norm(core.norm, x[:, -logits_to_keep:])
+        return self.model.lm_head(x)
