@@ -76,30 +76,43 @@ def greedy_seed_clustering(
     similarity : Tensor (H, C, W, W)
         From :func:`chunk_similarity`.
     layout : ChunkLayout
-    tau : Tensor (H,)
-        Cosine threshold per head.
+    tau : Tensor (H,) or (K, H)
+        Cosine threshold per head, or K thresholds per head clustered at once (a search's candidates).
     protected : Tensor (N,) bool
         Tokens that stay alone (their own seed, never absorbed).
 
     Returns
     -------
-    Tensor (H, N) long
+    Tensor (H, N) long, or (K * H, N) for K thresholds per head
         Token index of the seed of each token's cluster (a seed is its own seed).
     """
-    heads = similarity.shape[0]
-    grid_shape = (layout.num_chunks, layout.width)
+    tau = tau.reshape(-1, similarity.shape[0])  # (K, H)
     device = similarity.device
+    # Chunks longest first, so that step p of the greedy loop runs over the prefix of chunks that
+    # have a token p (padding slots are never free: skipping them changes nothing, and saves work).
+    lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
+    order = lengths.argsort(descending=True, stable=True)
+    active = (lengths[order][None, :] > torch.arange(layout.width, device=device)[:, None]).sum(1).tolist()
+    # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
+    eye = torch.eye(layout.width, dtype=torch.bool, device=device)
+    joins = ((similarity[:, order][None] >= tau[..., None, None, None]) | eye).flatten(0, 1)  # (K * H, C, W, W)
+    heads = joins.shape[0]
+    joins = joins.permute(2, 0, 1, 3).contiguous()  # (W, K * H, C, W): step p reads one contiguous block
+    grid_shape = (layout.num_chunks, layout.width)
     free = torch.zeros(grid_shape, dtype=torch.bool, device=device)
     free[layout.token_chunk, layout.token_slot] = ~protected
-    unassigned = free.expand(heads, *grid_shape).clone()  # (H, C, W)
+    unassigned = free[order].expand(heads, *grid_shape).clone()  # (K * H, C, W)
     seed_slot = torch.arange(layout.width, device=device).expand(heads, *grid_shape).clone()
-    # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
-    joins = (similarity >= tau[:, None, None, None]) | torch.eye(layout.width, dtype=torch.bool, device=device)
-    for p in range(layout.width):
+    for p, count in enumerate(active):
+        if count == 0:
+            break
         # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
-        members = unassigned & joins[:, :, p, :] & unassigned[:, :, p, None]
-        seed_slot.masked_fill_(members, p)
-        unassigned &= ~members
+        left = unassigned[:, :count]
+        members = joins[p, :, :count] & left[:, :, p, None]
+        members &= left
+        seed_slot[:, :count].masked_fill_(members, p)
+        left &= ~members
+    seed_slot = seed_slot[:, order.argsort()]
     slots = seed_slot[:, layout.token_chunk, layout.token_slot]  # (H, N)
     return layout.chunk_start[layout.token_chunk] + slots
 
