@@ -5,7 +5,7 @@
 document cache that :meth:`Engine.read` built once. Same model, prompt, greedy decoding and
 answer length for both.
 
-    python -m benchmarks.followup_latency [--tokens 6000] [--repeats 3]
+    python -m benchmarks.followup_latency [--tokens 6000] [--repeats 3] [--weights int4]
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--weights", nargs="*", default=["int4"], help="weight formats to time as well (semanticache_rag.weights)"
+    )
     args = parser.parse_args()
     engine = Engine.from_pretrained()
     prefill = engine.prefill(real_document(engine.tokenizer, args.tokens), surprisal=True)
@@ -85,6 +88,14 @@ def main() -> None:
             engine, engine.compress(prefill, SemantiCacheCompressor(0.75)), args
         ),
     }
+    for weights in args.weights:  # the same, with weight-only matrices (the stock pipeline stays as loaded)
+        engine = Engine.from_pretrained(weights=weights)
+        prefill = engine.prefill(real_document(engine.tokenizer, args.tokens), surprisal=True)
+        full = engine.compress(prefill, NoCompression())
+        rows[f"cached_full_{weights}_weights"] = timed_followups(engine, full, args, [t for _, t in stock])
+        rows[f"cached_semanticache_0.75_{weights}_weights"] = timed_followups(
+            engine, engine.compress(prefill, SemantiCacheCompressor(0.75)), args, [t for _, t in stock]
+        )
     for row in rows.values():
         row["speedup_vs_stock"] = round(stock_s / row["followup_s"], 1)
     result = {

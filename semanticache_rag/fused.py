@@ -104,12 +104,13 @@ class FusedLlama:
         for index, layer in enumerate(core.layers):
             attention = layer.self_attn
             qkv = attention.qkv_proj(self._norm(layer.input_layernorm, x))
-            q = qkv[..., :q_size].view(1, length, self.heads, self.head_dim).transpose(1, 2)
-            k = qkv[..., q_size : q_size + kv_size].view(1, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            # RoPE on the query and key heads at once (they are side by side in the fused product)
+            qk = qkv[..., : q_size + kv_size].view(1, length, self.heads + self.kv_heads, self.head_dim)
+            qk = self._rope(qk.transpose(1, 2), cos, sin)
             v = qkv[..., q_size + kv_size :].view(1, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            keys, values = kv.update(self._rope(k, cos, sin), v, index)
+            keys, values = kv.update(qk[:, self.heads :], v, index)
             out, _ = semanticache_attention(
-                attention, self._rope(q, cos, sin), keys, values, None, scaling=attention.scaling, semanticache_kv=kv
+                attention, qk[:, : self.heads], keys, values, None, scaling=attention.scaling, semanticache_kv=kv
             )
             x = x + attention.o_proj(out.reshape(1, length, q_size))
             mlp = layer.mlp
