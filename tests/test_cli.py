@@ -120,3 +120,21 @@ def test_a_ratio_alone_picks_the_best_measured_compressor(monkeypatch):
     assert isinstance(auto, KaizenCompressor) and isinstance(auto.inner, SemantiCacheCompressor)
     assert auto.compression_ratio == 0.9 and isinstance(plain, NoCompression)
     assert isinstance(named, SemantiCacheCompressor)
+
+
+def test_the_demo_decodes_with_int4_weights_and_other_commands_as_loaded(monkeypatch, capsys):
+    from semanticache_rag import cli
+    from semanticache_rag.engine import Engine
+
+    loaded = []
+    monkeypatch.setattr(
+        Engine, "from_pretrained", classmethod(lambda cls, *a, weights, **k: loaded.append(weights) or 1 / 0)
+    )
+    for argv in (["demo"], ["demo", "--weights", "model"], ["ask", "x.pdf", "-q", "?"], ["ask", "x.pdf", "-q", "?", "--weights", "bf16"]):
+        args = cli.build_parser().parse_args(argv)
+        with pytest.raises(ZeroDivisionError):  # stopped where the engine would load
+            cli._engine(args)
+    assert loaded == ["int4", "model", "model", "bf16"]
+    monkeypatch.undo()  # an unknown format is refused before any model loads
+    assert cli.main(["ask", "x.pdf", "-q", "?", "--weights", "int3", "--no-store"]) != 0
+    assert "weights must be one of" in capsys.readouterr().err
