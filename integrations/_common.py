@@ -60,17 +60,22 @@ class Runtime:
 MAX_RUNTIMES = 8  # settings combinations
 MAX_MODELS = 2  # loaded models (each settings combination of the same model shares one)
 _RUNTIMES: OrderedDict[tuple, Runtime] = OrderedDict()
-_MODELS: OrderedDict[str | None, tuple] = OrderedDict()  # model -> (model, tokenizer, name)
+_MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (model, weights) -> (model, tokenizer, name)
 _RUNTIMES_LOCK = threading.Lock()
 
 
 def shared_runtime(
-    model: str | None, compression: str, compression_ratio: float | None, store: bool | str = False
+    model: str | None,
+    compression: str,
+    compression_ratio: float | None,
+    store: bool | str = False,
+    weights: str = "model",
 ) -> Runtime:
     """The process-wide runtime for these settings, loading the model on first use.
 
     ``store``: ``False`` keeps document caches in memory only; ``True`` also on disk in the default
-    store directory (as the command line does); a path: in that directory. Settings that differ
+    store directory (as the command line does); a path: in that directory. ``weights``: the
+    matrices as loaded or weight-only (:mod:`semanticache_rag.weights`). Settings that differ
     only in compression or store share one loaded model; the last :data:`MAX_RUNTIMES` settings
     and :data:`MAX_MODELS` models are kept for reuse (an adapter keeps its own alive).
 
@@ -86,7 +91,7 @@ def shared_runtime(
 
     if model is not None and model.lower() in {DEFAULT_MODEL.lower(), "default"}:
         model = None  # the names Engine.from_pretrained treats as the default model: one load
-    key = (model, compression, compression_ratio, store)
+    key = (model, compression, compression_ratio, store, weights)
     with _RUNTIMES_LOCK:  # one load per model, also when threads race for it
         if key in _RUNTIMES:
             _RUNTIMES.move_to_end(key)
@@ -94,10 +99,11 @@ def shared_runtime(
         from semanticache_rag.store import DocumentStore
 
         compressor = make_compressor(compression, compression_ratio)
-        if model not in _MODELS:
-            _MODELS[model] = load_model(model)
-        _MODELS.move_to_end(model)
-        hf_model, tokenizer, name = _MODELS[model]
+        loaded = (model, weights)
+        if loaded not in _MODELS:
+            _MODELS[loaded] = load_model(model, weights=weights)
+        _MODELS.move_to_end(loaded)
+        hf_model, tokenizer, name = _MODELS[loaded]
         disk = None if store is False else DocumentStore(None if store is True else store)
         engine = Engine(hf_model, tokenizer, compressor=compressor, model_name=name, store=disk)
         _RUNTIMES[key] = Runtime.for_engine(engine)
@@ -120,6 +126,10 @@ class EngineSettings(BaseModel):
     compression: str = Field(default="none", description="Compressor of document caches: none, semanticache, ...")
     compression_ratio: float | None = Field(
         default=None, description="Fraction of KV entries the compressor removes; None: its default."
+    )
+    weights: str = Field(
+        default="model",
+        description="Matrices as loaded ('model'), or 'bf16' / 'int8' / 'int4' weight-only ones: faster on CPUs.",
     )
     store: bool | str = Field(
         default=False,
@@ -151,6 +161,7 @@ class EngineSettings(BaseModel):
         fields.setdefault("model", engine.model_name)
         fields.setdefault("compression", engine.compressor.name)
         fields.setdefault("compression_ratio", engine.compressor.compression_ratio)
+        fields.setdefault("weights", getattr(engine.model, "semanticache_weights", "model"))
         adapter = cls(**fields)
         adapter._runtime = Runtime.for_engine(engine, prompt_cache)
         return adapter
@@ -166,7 +177,9 @@ class EngineSettings(BaseModel):
     def runtime(self) -> Runtime:
         """Engine and prompt cache; loaded on first use, shared by adapters with equal settings."""
         if self._runtime is None:
-            self._runtime = shared_runtime(self.model, self.compression, self.compression_ratio, self.store)
+            self._runtime = shared_runtime(
+                self.model, self.compression, self.compression_ratio, self.store, self.weights
+            )
         return self._runtime
 
     @property

@@ -378,7 +378,7 @@ def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, mon
     monkeypatch.setattr(_common, "_RUNTIMES", _common.OrderedDict())
     monkeypatch.setattr(_common, "_MODELS", _common.OrderedDict())
     loads, real = [], models.load_model
-    monkeypatch.setattr(models, "load_model", lambda name: loads.append(name) or real(name))
+    monkeypatch.setattr(models, "load_model", lambda name, weights="model": loads.append(name) or real(name, weights=weights))
     plain = ChatSemantiCache(model=str(tiny_model_dir)).engine
     squeezed = ChatSemantiCache(model=str(tiny_model_dir), compression="semanticache", compression_ratio=0.5).engine
     assert plain.model is squeezed.model and loads == [str(tiny_model_dir)]
@@ -390,6 +390,10 @@ def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, mon
     assert (
         len({id(e.model) for e in engines}) == 1 and len(_common._RUNTIMES) <= _common.MAX_RUNTIMES and len(loads) == 1
     )
+    # another weight format is another model
+    quick = ChatSemantiCache(model=str(tiny_model_dir), weights="int8").engine
+    assert quick.model is not plain.model and quick.model.semanticache_weights == "int8" and len(loads) == 2
+    assert ChatSemantiCache.from_engine(quick).weights == "int8"
 
 
 def test_a_repeated_system_message_is_read_from_the_cache_without_registration(chat):
