@@ -317,8 +317,13 @@ class Engine:
             logits = self.forward(kv, chunk, start + offset, logits_to_keep=len(chunk) if surprisal else 1)
             if surprisal:  # logits at t predict token t + 1, the next chunk's first token included
                 targets = torch.tensor(ids[offset + 1 : offset + len(chunk) + 1])
-                logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-                token_surprisal[offset + 1 : offset + 1 + len(targets)] = -logp.gather(1, targets[:, None])[:, 0]
+                # -log p = logsumexp - logit, 64 rows at a time: no second (chunk, vocab) tensor in memory
+                for row in range(0, len(targets), 64):
+                    rows, wanted = logits[row : row + 64].float(), targets[row : row + 64]
+                    at = offset + 1 + row
+                    token_surprisal[at : at + len(wanted)] = torch.logsumexp(rows[: len(wanted)], dim=-1) - rows.gather(
+                        1, wanted[:, None]
+                    )[:, 0]
             if on_chunk is not None:
                 on_chunk(len(chunk))
         return token_surprisal if surprisal else None
