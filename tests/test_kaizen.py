@@ -56,6 +56,16 @@ def test_int4_packs_two_codes_a_byte_within_half_a_step():
     assert torch.allclose(QuantizedTensor.encode(constant, 4, 8).decode(), constant, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decoding_is_code_times_scale_plus_minimum_bit_for_bit(bits):
+    """The fast in-place decode computes exactly what one fp32 multiply and one add per element give."""
+    code = QuantizedTensor.encode(_kv(dim=64), bits, 32)
+    codes = code.codes if bits == 8 else torch.stack([code.codes & 15, code.codes >> 4], dim=-1).flatten(-2)
+    groups = codes.unflatten(-1, (2, 32)).float()
+    want = (groups * code.scales.float()[..., None] + code.minimums.float()[..., None]).flatten(-2)
+    assert torch.equal(code.decode(), want)
+
+
 def test_low_rank_is_exact_at_full_rank_and_shrinks_below_it():
     x = _kv(dim=16)
     assert torch.allclose(LowRankTensor.encode(x, 16).decode(), x, atol=2e-2)  # fp16 factors
