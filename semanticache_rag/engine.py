@@ -41,6 +41,10 @@ class Prefill:
     seconds: float
 
 
+# causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
+_PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
 class Engine:
     """Reads documents once and answers questions from their cached, compressed KV.
 
@@ -229,7 +233,7 @@ class Engine:
         if len(self.head_ids) + len(ids) <= self.read_limit:
             head = torch.full((len(self.head_ids),), -1, dtype=torch.int32)
             prefill = self.prefill_tokens(document, self.head_ids + ids, torch.cat([head, pages]), progress=progress)
-            return self.compress(prefill)
+            return self.compress(prefill, release=True)
         if len(self.head_ids) + self.section_tokens > self.read_limit:
             raise ContextLengthError(
                 f"{document.name} ({len(ids):,} tokens) is read in sections of up to {self.section_tokens:,} tokens; "
@@ -285,13 +289,19 @@ class Engine:
         keys_values = [layer.appended() for layer in kv.layers]
         return Prefill(document, ids, pages, keys_values, token_surprisal, time.perf_counter() - started)
 
-    def compress(self, prefill: Prefill, compressor: Compressor | None = None) -> DocumentCache:
-        """Compress a :class:`Prefill` with ``compressor`` (default: the engine's) into a cache."""
+    def compress(self, prefill: Prefill, compressor: Compressor | None = None, *, release: bool = False) -> DocumentCache:
+        """Compress a :class:`Prefill` with ``compressor`` (default: the engine's) into a cache.
+
+        ``release=True`` lets the compressor drop each layer's full keys and values as soon as that
+        layer is compressed (:meth:`read` does; the prefill cannot be compressed again after that).
+        """
         compressor = compressor or self.compressor
         if compressor.needs_surprisal and prefill.surprisal is None:
             raise ConfigError(f"{compressor.name} needs token surprisal: prefill with surprisal=True")
         started = time.perf_counter()
-        context = CompressionContext(torch.tensor(prefill.ids), prefill.pages < 0, prefill.surprisal, self.tokenizer)
+        context = CompressionContext(
+            torch.tensor(prefill.ids), prefill.pages < 0, prefill.surprisal, self.tokenizer, release_layers=release
+        )
         layers, zoom = compressor.compress_cache(prefill.keys_values, context)
         return DocumentCache(
             prefill.document,
@@ -314,19 +324,49 @@ class Engine:
         token_surprisal = torch.zeros(len(ids))
         for offset in range(0, len(ids), self.prefill_chunk):
             chunk = ids[offset : offset + self.prefill_chunk]
-            logits = self.forward(kv, chunk, start + offset, logits_to_keep=len(chunk) if surprisal else 1)
-            if surprisal:  # logits at t predict token t + 1, the next chunk's first token included
+            if not surprisal:
+                self.forward(kv, chunk, start + offset)
+            else:  # logits at t predict token t + 1, the next chunk's first token included
                 targets = torch.tensor(ids[offset + 1 : offset + len(chunk) + 1])
-                # -log p = logsumexp - logit, 64 rows at a time: no second (chunk, vocab) tensor in memory
-                for row in range(0, len(targets), 64):
-                    rows, wanted = logits[row : row + 64].float(), targets[row : row + 64]
-                    at = offset + 1 + row
-                    token_surprisal[at : at + len(wanted)] = torch.logsumexp(rows[: len(wanted)], dim=-1) - rows.gather(
-                        1, wanted[:, None]
-                    )[:, 0]
+                token_surprisal[offset + 1 : offset + 1 + len(targets)] = self._surprisal(kv, chunk, start + offset, targets)
             if on_chunk is not None:
                 on_chunk(len(chunk))
         return token_surprisal if surprisal else None
+
+    def _surprisal(self, kv: ConversationKV, chunk: list[int], start: int, targets: torch.Tensor) -> torch.Tensor:
+        """Run ``chunk`` into ``kv``; return ``-log p`` of ``targets`` (the tokens that follow each position).
+
+        Models whose logits are their output head over the final hidden states get the head applied
+        64 positions at a time (``-log p = logsumexp - logit``), so no (chunk, vocabulary) tensor is
+        ever whole in memory (100 MB per 512 tokens for a 49K vocabulary); others compute the chunk's logits.
+        """
+        hidden = self._final_hidden(kv, chunk, start)
+        head = self.model.get_output_embeddings() if hidden is not None else None
+        if hidden is None:
+            hidden = self.forward(kv, chunk, start, logits_to_keep=len(chunk))
+        out = torch.empty(len(targets))
+        with torch.inference_mode():
+            for row in range(0, len(targets), 64):
+                wanted = targets[row : row + 64]
+                rows = hidden[row : row + len(wanted)]
+                logits = (head(rows) if head is not None else rows).float()
+                out[row : row + len(wanted)] = torch.logsumexp(logits, dim=-1) - logits.gather(1, wanted[:, None])[:, 0]
+        return out
+
+    def _final_hidden(self, kv: ConversationKV, chunk: list[int], start: int) -> torch.Tensor | None:
+        """The chunk's final hidden states (T, hidden) when the logits are just the output head of them, else None."""
+        lean = getattr(self.model, "semanticache_forward", None)
+        if lean is None and type(self.model).__name__ not in _PLAIN_HEAD:
+            return None
+        input_ids = torch.tensor([chunk], device=self.device)
+        positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+        with self._lock, torch.inference_mode():
+            if lean is not None:
+                return lean(kv, input_ids, positions, len(chunk), head=False)[0]
+            out = self.model.base_model(
+                input_ids=input_ids, position_ids=positions, use_cache=True, semanticache_kv=kv, **{self._cache_kwarg: kv}
+            )
+        return out.last_hidden_state[0]
 
     def generate_uncached(self, cache: DocumentCache, turns, max_new_tokens: int = 256) -> str:
         """Greedy answer from re-reading the whole prompt with ``model.generate`` (no cache reuse).

@@ -92,7 +92,11 @@ class FusedLlama:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def __call__(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+    def __call__(
+        self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 1, head: bool = True
+    ) -> torch.Tensor:
+        """Logits of the last ``logits_to_keep`` positions (1, K, V); with ``head=False`` their final
+        hidden states (1, K, hidden) instead."""
         core = self.model.model
         x = core.embed_tokens(input_ids)
         length = input_ids.shape[1]
@@ -117,4 +121,4 @@ class FusedLlama:
             gate, up = mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
             x = x + mlp.down_proj(F.silu(gate) * up)
         x = self._norm(core.norm, x[:, -logits_to_keep:])
-        return self.model.lm_head(x)
+        return self.model.lm_head(x) if head else x

@@ -79,7 +79,9 @@ def compress_section(engine, compressor, head: DocumentCache, prefill, ids: list
     keys_values, surprisal, read_s = prefill
     started = time.perf_counter()
     tokens = torch.tensor(ids)
-    context = CompressionContext(tokens, torch.zeros(len(ids), dtype=torch.bool), surprisal, engine.tokenizer)
+    context = CompressionContext(
+        tokens, torch.zeros(len(ids), dtype=torch.bool), surprisal, engine.tokenizer, release_layers=True
+    )
     layers, zoom = compressor.compress_cache(keys_values, context)
     compress_s = time.perf_counter() - started
     name, method = engine.model_name, repr(compressor)

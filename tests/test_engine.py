@@ -141,3 +141,34 @@ def test_cache_bytes_are_measured(tiny_engine, document_text):
     layer = cache.layers[0]
     assert cache.nbytes == cache.full_nbytes == len(cache.layers) * 2 * layer.keys.numel() * 4
     assert cache.entries_removed == 0
+
+
+@pytest.mark.parametrize("weights", ["model", "int4"])
+def test_prefill_surprisal_is_minus_log_p_of_the_next_token(tiny_model, tiny_tokenizer, document_text, weights):
+    """Computed 64 positions at a time from the final hidden states, it equals log-softmax of the whole logits."""
+    import copy
+
+    from semanticache_rag.weights import convert_weights
+
+    model = convert_weights(copy.deepcopy(tiny_model), weights)
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=100)
+    prefill = engine.prefill(document_text[:1500], progress=False, surprisal=True)
+    ids = torch.tensor([prefill.ids])
+    with torch.inference_mode():
+        logp = model(ids).logits[0].float().log_softmax(-1)
+    want = -logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+    assert prefill.surprisal[0] == 0 and len(prefill.ids) > 200
+    # fp32 to rounding; bf16 products (int4) may round differently for a 64-row slice than for the whole chunk
+    tolerance = 1e-4 if weights == "model" else 4e-3
+    torch.testing.assert_close(prefill.surprisal[1:], want, rtol=tolerance, atol=tolerance)
+
+
+def test_a_read_releases_the_full_layers_as_it_compresses(tiny_engine, document_text):
+    from semanticache_rag import SemantiCacheCompressor
+
+    prefill = tiny_engine.prefill(document_text, progress=False, surprisal=True)
+    kept = tiny_engine.compress(prefill, SemantiCacheCompressor(0.5))  # a benchmark's prefill stays whole
+    assert all(kv is not None for kv in prefill.keys_values)
+    released = tiny_engine.compress(prefill, SemantiCacheCompressor(0.5), release=True)
+    assert all(kv is None for kv in prefill.keys_values)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(kept.layers, released.layers))

@@ -32,12 +32,17 @@ class CompressionContext:
         ``-log p`` of each token under the model at prefill, when the compressor asked for it.
     tokenizer : PreTrainedTokenizerBase
         The model's tokenizer, to classify vocabulary ids.
+    release_layers : bool
+        The caller needs the full keys and values no more: :meth:`Compressor.compress_document` drops
+        each layer's from ``keys_values`` once it is compressed, so a read's peak memory holds the full
+        cache plus one layer's work, not the full and the compressed caches side by side.
     """
 
     token_ids: torch.Tensor
     protected: torch.Tensor
     surprisal: torch.Tensor | None
     tokenizer: object
+    release_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,13 @@ class Compressor:
     def compress_document(self, keys_values, context: CompressionContext) -> tuple[LayerKV, ...]:
         """Compress every layer of a document: ``keys_values`` is a list of (keys, values)."""
         plan = self.prepare(context)
-        return tuple(self.compress(keys, values, context, plan) for keys, values in keys_values)
+        layers = []
+        for index, (keys, values) in enumerate(keys_values):
+            layers.append(self.compress(keys, values, context, plan))
+            if context.release_layers:
+                keys_values[index] = None  # the list's reference was the last one to this layer's full KV
+            del keys, values
+        return tuple(layers)
 
     def compress_cache(self, keys_values, context: CompressionContext):
         """The compressed layers and any host-side state kept beside them (``DocumentCache.zoom``).
