@@ -7,10 +7,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.compressors import CompressionContext, Compressor, NoCompression
@@ -42,6 +43,7 @@ class Prefill:
 
 
 # causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
+_SURPRISAL_ROWS = 128  # positions whose logits exist at once while reading with surprisal (25 MB for a 49K vocabulary)
 _PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
@@ -337,17 +339,21 @@ class Engine:
         """Run ``chunk`` into ``kv``; return ``-log p`` of ``targets`` (the tokens that follow each position).
 
         Models whose logits are their output head over the final hidden states get the head applied
-        64 positions at a time (``-log p = logsumexp - logit``), so no (chunk, vocabulary) tensor is
-        ever whole in memory (100 MB per 512 tokens for a 49K vocabulary); others compute the chunk's logits.
+        :data:`_SURPRISAL_ROWS` positions at a time (``-log p = logsumexp - logit``), so no (chunk,
+        vocabulary) tensor is ever whole in memory (100 MB per 512 tokens for a 49K vocabulary); others
+        compute the chunk's logits.
         """
         hidden = self._final_hidden(kv, chunk, start)
-        head = self.model.get_output_embeddings() if hidden is not None else None
+        head = None
         if hidden is None:
             hidden = self.forward(kv, chunk, start, logits_to_keep=len(chunk))
+        else:  # converted weights may keep a head for many positions at once (semanticache_rag.weights)
+            reading = getattr(self.model, "semanticache_reading_head", None)
+            head = self.model.get_output_embeddings() if reading is None else partial(F.linear, weight=reading.weight)
         out = torch.empty(len(targets))
         with torch.inference_mode():
-            for row in range(0, len(targets), 64):
-                wanted = targets[row : row + 64]
+            for row in range(0, len(targets), _SURPRISAL_ROWS):
+                wanted = targets[row : row + _SURPRISAL_ROWS]
                 rows = hidden[row : row + len(wanted)]
                 logits = (head(rows) if head is not None else rows).float()
                 out[row : row + len(wanted)] = torch.logsumexp(logits, dim=-1) - logits.gather(1, wanted[:, None])[:, 0]

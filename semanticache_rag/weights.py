@@ -14,8 +14,11 @@ attention stay in the model's dtype, only the weight products change:
     4-bit codes in groups of 32 along the input, each group with a scale and a minimum: the layout
     of GGUF's Q4_1, which is how the default model ships, so the int4 codes are the GGUF's own
     (:func:`group_codes` finds them again in the dequantised weights) and only the scales are
-    rounded to bf16 (``torch._weight_int4pack_mm_for_cpu``). The output head stays bf16: as int8
-    per row it tripled the KL to the fp32 model's next-token distributions for 4% of the time.
+    rounded to bf16 (``torch._weight_int4pack_mm_for_cpu``). A head tied to the input embedding
+    becomes int8 in groups of 32 with a scale each, GGUF's Q8_0 (the default model's head ships so:
+    :class:`GroupedInt8Linear` finds the file's codes and scales exactly), for decoding, while
+    reading's surprisal multiplies by the embedding table; an untied head stays bf16 (as int8 per
+    row it tripled the KL to the fp32 model's next-token distributions).
 
 Products take bf16 inputs (the fast path of torch's int8/int4 CPU kernels; fp32 inputs are 10-20×
 slower there). Answers change slightly: ``benchmarks/speed.py`` reports the KL divergence of
@@ -114,8 +117,42 @@ class Int4Linear(_WeightOnlyLinear):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
 
+class GroupedInt8Linear(_WeightOnlyLinear):
+    """Symmetric int8 weights with one fp32 scale per group of :data:`GROUP` inputs of a row (GGUF's Q8_0).
+
+    Torch's int8 CPU kernel scales whole rows, so the product runs one group of inputs at a time
+    (unit scales) and scales and sums the partial products in fp32: fast for the few rows of a
+    decoding step, slow for many. For the default model's output head, a Q8_0 table in the GGUF,
+    the codes and scales found here are the file's own.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        rows, columns = linear.weight.shape
+        blocks = linear.weight.detach().float().reshape(rows, columns // GROUP, GROUP)
+        scales = blocks.abs().amax(dim=-1) / 127  # (out, groups)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("codes", codes.transpose(0, 1).contiguous())  # (groups, out, GROUP)
+        self.register_buffer("scales", scales.transpose(0, 1).contiguous())  # (groups, out) fp32
+        self.register_buffer("unit", torch.ones(rows, dtype=COMPUTE_DTYPE))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], self.out_features)
+        for group in range(self.codes.shape[0]):
+            part = x[:, group * GROUP : (group + 1) * GROUP].contiguous()
+            out += torch._weight_int8pack_mm(part, self.codes[group], self.unit).float() * self.scales[group]
+        return out
+
+
 _LAYER_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
 _HEAD_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear}
+
+
+def _tied_head(model, head) -> bool:
+    """Whether ``head`` multiplies by the input embedding table itself (which stays as loaded)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return head is not None and embedding is not None and getattr(head, "weight", None) is embedding.weight
 
 
 def convert_weights(model: nn.Module, weights: str) -> nn.Module:
@@ -145,6 +182,12 @@ def convert_weights(model: nn.Module, weights: str) -> nn.Module:
     from semanticache_rag import fused
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_kind = _HEAD_KINDS[weights]
+    if weights == "int4" and _tied_head(model, head) and head.in_features % GROUP == 0:
+        # GGUF's Q8_0 head for decoding (fewer bytes, and the default model's own codes); reading, which
+        # needs the logits of many positions (surprisal), multiplies by the tied fp32 embedding table
+        head_kind = GroupedInt8Linear
+        model.semanticache_reading_head = model.get_input_embeddings()
     if fused.supports(model) and (weights != "int4" or model.config.hidden_size % GROUP == 0):
         fused.fuse_projections(model, _LAYER_KINDS[weights])
         model.semanticache_forward = fused.FusedLlama(model)
@@ -152,7 +195,7 @@ def convert_weights(model: nn.Module, weights: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or (weights == "int4" and child.in_features % GROUP):
                 continue
-            kind = (_HEAD_KINDS if child is head else _LAYER_KINDS)[weights]
+            kind = head_kind if child is head else _LAYER_KINDS[weights]
             setattr(parent, name, kind(child))
     model.semanticache_weights = weights
     return model

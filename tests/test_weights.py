@@ -11,7 +11,14 @@ from tests_support import needs_default_model
 from semanticache_rag import Engine
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.store_key import model_identity
-from semanticache_rag.weights import BF16Linear, Int4Linear, Int8Linear, convert_weights, group_codes
+from semanticache_rag.weights import (
+    BF16Linear,
+    GroupedInt8Linear,
+    Int4Linear,
+    Int8Linear,
+    convert_weights,
+    group_codes,
+)
 
 
 def _q4_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
@@ -35,7 +42,7 @@ def test_group_codes_finds_q4_1_codes_again():
 @pytest.mark.parametrize(
     "kind, tolerance",
     # relative to the largest output: bf16 inputs round at 2**-9; int8 rows add absmax / 254 per weight
-    [(BF16Linear, 0.01), (Int8Linear, 0.02), (Int4Linear, 0.01)],
+    [(BF16Linear, 0.01), (Int8Linear, 0.02), (Int4Linear, 0.01), (GroupedInt8Linear, 0.01)],
 )
 def test_weight_only_linear_matches_the_full_precision_product(kind, tolerance):
     linear = torch.nn.Linear(96, 64, bias=True)
@@ -75,6 +82,32 @@ def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tok
     assert engine.ask(cache, "What?", max_new_tokens=4).completion_tokens >= 1
 
 
+def test_q8_0_head_finds_its_codes_again_and_decodes_one_row_as_many():
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (40, 3, 32), generator=g).float()
+    codes[..., 0] = 127  # Q8_0: the group's largest magnitude has code 127
+    scales = torch.rand(40, 3, 1, generator=g) * 0.01 + 1e-3
+    linear = torch.nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((codes * scales).reshape(40, 96))
+    head = GroupedInt8Linear(linear)
+    rebuilt = (head.codes.float() * head.scales[..., None]).transpose(0, 1).reshape(40, 96)
+    assert torch.equal(rebuilt, linear.weight.detach())
+    x = torch.randn(3, 96)
+    assert torch.allclose(head(x)[1], head(x[1:2])[0])
+
+
+def test_int4_tied_head_decodes_q8_0_and_reads_with_the_embedding(tiny_llama, tiny_tokenizer):
+    model = copy.deepcopy(tiny_llama)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.get_input_embeddings().weight
+    convert_weights(model, "int4")
+    assert isinstance(model.lm_head, GroupedInt8Linear)
+    assert model.semanticache_reading_head is model.get_input_embeddings()
+    untied = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    assert isinstance(untied.lm_head, BF16Linear) and not hasattr(untied, "semanticache_reading_head")
+
+
 def test_weight_format_is_part_of_a_stored_cache_key(tiny_llama, tiny_tokenizer):
     original = Engine(tiny_llama, tiny_tokenizer, model_name="tiny")
     converted = Engine(convert_weights(copy.deepcopy(tiny_llama), "int4"), tiny_tokenizer, model_name="tiny")
@@ -107,6 +140,10 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
             codes, scale, low = group_codes(weight)
             rebuilt = codes.float().unflatten(1, (-1, 32)) * scale[..., None] + low[..., None]
             assert torch.equal(rebuilt.flatten(1), weight), name
+    head = engine.model.lm_head  # the GGUF's Q8_0 table, tied to the embedding
+    assert isinstance(head, GroupedInt8Linear)
+    rebuilt = (head.codes.float() * head.scales[..., None]).transpose(0, 1).flatten(1)
+    assert torch.equal(rebuilt, original.get_input_embeddings().weight.detach())
     cache = engine.read("The vault code for the east wing is 4417. " + "Nothing else happened. " * 40, progress=False)
     assert "4417" in engine.ask(cache, "What is the vault code for the east wing?", max_new_tokens=24).answer
 
