@@ -9,7 +9,10 @@ int4 with the GGUF's own codes), reading the same text once and, per cache (full
 machine's measured read bandwidth (the floor), and the KL divergence of the next-token
 distributions to the fp32 full cache's, teacher-forced on its greedy answer.
 
-    python -m benchmarks.speed [--lengths 2000 4000 7000] [--steps 32] [--no-llama-cpp]
+    python -m benchmarks.speed [--lengths 2000 4000 7000] [--steps 32] [--no-llama-cpp] [--memory-only]
+
+It also measures (first, each in a fresh process) how much one read of the longest document grows the
+process's peak memory, uncompressed and compressed (``memory.md``).
 """
 
 from __future__ import annotations
@@ -135,6 +138,54 @@ def ours(lengths: list[int], steps: int, formats: list[str], bandwidth: float) -
     return rows
 
 
+MEMORY_CACHES = (("none", None), ("semanticache", 0.75), ("kaizen", 0.75), ("auto", 0.9))
+
+
+def peak_read(compression: str, ratio: float | None, weights: str, tokens: int) -> dict:
+    """In this process: RSS growth during one read of a ``tokens``-token document (Linux: the peak, VmHWM,
+    is reset right before the read, after a warm-up read, so only the read's own memory counts)."""
+    import gc
+
+    compressor = None if compression == "none" else make_compressor(compression, ratio)
+    engine = Engine.from_pretrained(compressor=compressor, weights=weights)
+    text = real_document(engine.tokenizer, tokens)
+    engine.read(real_document(engine.tokenizer, 600), progress=False)
+    gc.collect()
+
+    def status(key: str) -> int:
+        return int(Path("/proc/self/status").read_text().split(key + ":")[1].split()[0]) * 1024
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS")
+    cache = engine.read(text, progress=False)
+    return {
+        "weights": weights, "compression": compression, "ratio": ratio, "tokens": tokens,
+        "read_adds_mib": round((status("VmHWM") - before) / 2**20), "cache_mib": round(cache.nbytes / 2**20),
+    }
+
+
+def memory_rows(weights: list[str], tokens: int) -> list[dict]:
+    """:func:`peak_read` of each :data:`MEMORY_CACHES` entry, each in a fresh process."""
+    import sys
+
+    rows = []
+    for fmt in weights:
+        for compression, ratio in MEMORY_CACHES:
+            command = [sys.executable, "-m", "benchmarks.speed", "--peak-read", compression, str(ratio), fmt, str(tokens)]
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def memory_table(rows: list[dict]) -> str:
+    lines = ["| weights | cache | read adds (MiB) | cache (MiB) |", "|---|---|---|---|"]
+    for r in rows:
+        name = r["compression"] if r["ratio"] is None else f"{r['compression']} {r['ratio']}"
+        lines.append(f"| {r['weights']} | {name} | {r['read_adds_mib']} | {r['cache_mib']} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], lengths: list[int]) -> str:
     """Decode ms/token (floor) per length, one line per system and cache; then read speeds."""
     head = ["system", *[f"{t} tokens" for t in lengths], "KL to fp32 full", "compress / read (max)"]
@@ -187,14 +238,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--weights", nargs="+", default=["model", "int4"])
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak memory of reads (longest length)")
+    parser.add_argument("--peak-read", nargs=4, help=argparse.SUPPRESS)  # one measurement, in a child process
     args = parser.parse_args()
+    if args.peak_read:
+        compression, ratio, fmt, tokens = args.peak_read
+        print(json.dumps(peak_read(compression, None if ratio == "None" else float(ratio), fmt, int(tokens))))
+        return
     if args.weights[0] != "model":
         parser.error("--weights must start with 'model': its full cache is the reference of the KL")
     started = time.perf_counter()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    memory = memory_rows(args.weights, max(args.lengths))
+    (RESULTS / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+    (RESULTS / "memory.md").write_text(
+        f"# Peak memory of one read\n\n`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
+        "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it).\n\n"
+        + memory_table(memory) + f"\n\n{environment(started)}\n"
+    )
+    if args.memory_only:
+        print(memory_table(memory))
+        return
     bandwidth = read_bandwidth()
     rows = [] if args.no_llama_cpp else llama_cpp(args.lengths, args.steps)
     rows += ours(args.lengths, args.steps, args.weights, bandwidth)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "speed.json").write_text(json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=1) + "\n")
     plot(rows, RESULTS / "speed.png")
     text = (

@@ -146,3 +146,22 @@ def test_reused_rows_keep_only_this_runs_questions_and_the_shared_table_their_co
     assert reused[0]["kind"] == "number" and reused[0]["score"] in (0.0, 1.0)
     common = ruler._common_contexts(ours + reused)
     assert {r["context_id"] for r in common} == {questions[0][0].context_id}
+
+
+def test_speed_tables_put_every_row_in_its_length_column():
+    from benchmarks.speed import memory_table, table
+
+    rows = [
+        {"system": "llama.cpp", "tokens": 2000, "decode_ms": 15.0},
+        {"system": "llama.cpp", "tokens": 2000, "read_tok_s": 240.0},
+        {"system": "ours", "weights": "int4", "cache": "full", "tokens": 2000, "decode_ms": 22.0, "floor_ms": 6.0,
+         "kl_to_fp32_full": 0.0001, "compress_share": 0.0, "read_tok_s": 380.0},
+        {"system": "ours", "weights": "int4", "cache": "SemantiCache 0.75", "tokens": 4000, "decode_ms": 19.0,
+         "floor_ms": 4.6, "kl_to_fp32_full": 0.035, "compress_share": 0.12, "read_tok_s": 310.0},
+    ]
+    text = table(rows, [2000, 4000])
+    assert "| llama.cpp, Q4_1 GGUF | 15.0 |  |" in text
+    assert "| ours, int4 weights, SemantiCache 0.75 |  | 19.0 (4.6) | 0.0350 | 12% |" in text
+    assert "| read tok/s: ours, int4 weights | 380.0 |  | | |" in text
+    memory = memory_table([{"weights": "int4", "compression": "none", "ratio": None, "read_adds_mib": 330, "cache_mib": 311}])
+    assert "| int4 | none | 330 | 311 |" in memory
