@@ -197,5 +197,19 @@ def convert_weights(model: nn.Module, weights: str) -> nn.Module:
                 continue
             kind = head_kind if child is head else _LAYER_KINDS[weights]
             setattr(parent, name, kind(child))
+    _own_parameters(model)
     model.semanticache_weights = weights
     return model
+
+
+def _own_parameters(model: nn.Module) -> None:
+    """Copy the parameters left as loaded (embedding, norms) out of the loader's memory map.
+
+    transformers maps the weights file; converting reads every page of it, and the mapping stays
+    resident while any tensor still points into it, so the converted model would keep the whole
+    file in its RSS (513 MiB for the default model) besides its own copies.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            for name, parameter in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(parameter.detach().clone(), requires_grad=False))
