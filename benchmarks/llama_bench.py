@@ -68,8 +68,19 @@ def ensure_llama_bench(root: Path | None = None) -> dict:
     started = time.perf_counter()
     logger.info("downloading llama-cpp-python %s's source", VERSION)
     _run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
-         f"llama-cpp-python=={VERSION}", "-d", str(root)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            f"llama-cpp-python=={VERSION}",
+            "-d",
+            str(root),
+        ],
         root,
     )
     sdist = next(root.glob("llama_cpp_python-*.tar.gz"))
@@ -79,8 +90,18 @@ def ensure_llama_bench(root: Path | None = None) -> dict:
     build = root / "build"
     logger.info("building llama-bench from %s (about 10 minutes on 2 cores)", source)
     _run(
-        ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF",
+        ],
         root,
     )
     _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", "2"], root)

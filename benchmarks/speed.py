@@ -76,8 +76,22 @@ def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
 
     build = ensure_llama_bench()
     rows = []
-    for args in (["-p", ",".join(map(str, lengths)), "-n", "0"], ["-p", "0", "-n", str(steps), "-d", ",".join(map(str, lengths))]):
-        command = [build["binary"], "-m", str(default_gguf()), "-t", str(torch.get_num_threads()), "-r", "2", "-o", "json", *args]
+    for args in (
+        ["-p", ",".join(map(str, lengths)), "-n", "0"],
+        ["-p", "0", "-n", str(steps), "-d", ",".join(map(str, lengths))],
+    ):
+        command = [
+            build["binary"],
+            "-m",
+            str(default_gguf()),
+            "-t",
+            str(torch.get_num_threads()),
+            "-r",
+            "2",
+            "-o",
+            "json",
+            *args,
+        ]
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         for r in json.loads(out):
             if r["n_prompt"]:
@@ -159,8 +173,12 @@ def peak_read(compression: str, ratio: float | None, weights: str, tokens: int) 
     before = status("VmRSS")
     cache = engine.read(text, progress=False)
     return {
-        "weights": weights, "compression": compression, "ratio": ratio, "tokens": tokens,
-        "read_adds_mib": round((status("VmHWM") - before) / 2**20), "cache_mib": round(cache.nbytes / 2**20),
+        "weights": weights,
+        "compression": compression,
+        "ratio": ratio,
+        "tokens": tokens,
+        "read_adds_mib": round((status("VmHWM") - before) / 2**20),
+        "cache_mib": round(cache.nbytes / 2**20),
     }
 
 
@@ -171,7 +189,16 @@ def memory_rows(weights: list[str], tokens: int) -> list[dict]:
     rows = []
     for fmt in weights:
         for compression, ratio in MEMORY_CACHES:
-            command = [sys.executable, "-m", "benchmarks.speed", "--peak-read", compression, str(ratio), fmt, str(tokens)]
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.speed",
+                "--peak-read",
+                compression,
+                str(ratio),
+                fmt,
+                str(tokens),
+            ]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
@@ -204,7 +231,9 @@ def table(rows: list[dict], lengths: list[int]) -> str:
     reads = {}
     for r in rows:
         if "read_tok_s" in r and (r["system"] == "llama.cpp" or r["cache"] == "full"):
-            reads.setdefault(r["system"] if r["system"] == "llama.cpp" else f"ours, {r['weights']} weights", {})[r["tokens"]] = r["read_tok_s"]
+            reads.setdefault(r["system"] if r["system"] == "llama.cpp" else f"ours, {r['weights']} weights", {})[
+                r["tokens"]
+            ] = r["read_tok_s"]
     for name, speeds in reads.items():
         lines.append(f"| read tok/s: {name} | " + " | ".join(str(speeds.get(t, "")) for t in lengths) + " | | |")
     return "\n".join(lines)
@@ -221,7 +250,9 @@ def plot(rows: list[dict], path: Path) -> None:
     if llama:
         ax.plot(*zip(*llama), color="black", linestyle="--", marker="s", label="llama.cpp (Q4_1)")
     for key in dict.fromkeys((r["weights"], r["cache"]) for r in rows if r["system"] == "ours"):
-        points = sorted((r["tokens"], r["decode_ms"]) for r in rows if r["system"] == "ours" and (r["weights"], r["cache"]) == key)
+        points = sorted(
+            (r["tokens"], r["decode_ms"]) for r in rows if r["system"] == "ours" and (r["weights"], r["cache"]) == key
+        )
         ax.plot(*zip(*points), marker="o", linestyle="-" if key[0] != "model" else ":", label=f"{key[0]}, {key[1]}")
     ax.set_xlabel("document tokens in context")
     ax.set_ylabel("decode ms / token (2 threads)")
@@ -252,9 +283,11 @@ def main() -> None:
     memory = memory_rows(args.weights, max(args.lengths))
     (RESULTS / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
     (RESULTS / "memory.md").write_text(
-        f"# Peak memory of one read\n\n`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
+        "# Peak memory of one read\n\n"
+        f"`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
         "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it).\n\n"
-        + memory_table(memory) + f"\n\n{environment(started)}\n"
+        + memory_table(memory)
+        + f"\n\n{environment(started)}\n"
     )
     if args.memory_only:
         print(memory_table(memory))
@@ -262,10 +295,13 @@ def main() -> None:
     bandwidth = read_bandwidth()
     rows = [] if args.no_llama_cpp else llama_cpp(args.lengths, args.steps)
     rows += ours(args.lengths, args.steps, args.weights, bandwidth)
-    (RESULTS / "speed.json").write_text(json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=1) + "\n")
+    (RESULTS / "speed.json").write_text(
+        json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=1) + "\n"
+    )
     plot(rows, RESULTS / "speed.png")
     text = (
-        f"# Speed on CPUs\n\n`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps}`; "
+        "# Speed on CPUs\n\n"
+        f"`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps}`; "
         f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s (floor = bytes a step reads / that).\n\n"
         + table(rows, args.lengths)
         + f"\n\n{environment(started)}\n"

@@ -42,8 +42,8 @@ class Prefill:
     seconds: float
 
 
-# causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
 _SURPRISAL_ROWS = 128  # positions whose logits exist at once while reading with surprisal (25 MB for a 49K vocabulary)
+# causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
 _PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
@@ -165,21 +165,30 @@ class Engine:
 
     def forward(self, kv: ConversationKV, ids: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:
         """Run ``ids`` at positions ``start...`` appending to ``kv``; return their last logits (K, V)."""
+        return self._run(kv, ids, start, logits_to_keep, head=True)
+
+    def _run(self, kv: ConversationKV, ids: list[int], start: int, keep: int, head: bool) -> torch.Tensor:
+        """:meth:`forward`; with ``head=False`` the last ``keep`` final hidden states (K, hidden) instead of logits.
+
+        ``head=False`` is for models whose logits are their output head over those states
+        (the lean pass, or a class in :data:`_PLAIN_HEAD`).
+        """
         input_ids = torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
         lean = getattr(self.model, "semanticache_forward", None)
         with self._lock, torch.inference_mode():
             if lean is not None:  # converted weights on a Llama model: fused products (semanticache_rag.fused)
-                return lean(kv, input_ids, positions, logits_to_keep)[0]
-            out = self.model(
+                return lean(kv, input_ids, positions, keep, head=head)[0]
+            model = self.model if head else self.model.base_model
+            out = model(
                 input_ids=input_ids,
                 position_ids=positions,
                 use_cache=True,
-                logits_to_keep=logits_to_keep,
                 semanticache_kv=kv,
+                **({"logits_to_keep": keep} if head else {}),
                 **{self._cache_kwarg: kv},
             )
-        return out.logits[0]
+        return out.logits[0] if head else out.last_hidden_state[0, -keep:]
 
     @cached_property
     def head_ids(self) -> list[int]:
@@ -291,7 +300,9 @@ class Engine:
         keys_values = [layer.appended() for layer in kv.layers]
         return Prefill(document, ids, pages, keys_values, token_surprisal, time.perf_counter() - started)
 
-    def compress(self, prefill: Prefill, compressor: Compressor | None = None, *, release: bool = False) -> DocumentCache:
+    def compress(
+        self, prefill: Prefill, compressor: Compressor | None = None, *, release: bool = False
+    ) -> DocumentCache:
         """Compress a :class:`Prefill` with ``compressor`` (default: the engine's) into a cache.
 
         ``release=True`` lets the compressor drop each layer's full keys and values as soon as that
@@ -330,7 +341,9 @@ class Engine:
                 self.forward(kv, chunk, start + offset)
             else:  # logits at t predict token t + 1, the next chunk's first token included
                 targets = torch.tensor(ids[offset + 1 : offset + len(chunk) + 1])
-                token_surprisal[offset + 1 : offset + 1 + len(targets)] = self._surprisal(kv, chunk, start + offset, targets)
+                token_surprisal[offset + 1 : offset + 1 + len(targets)] = self._surprisal(
+                    kv, chunk, start + offset, targets
+                )
             if on_chunk is not None:
                 on_chunk(len(chunk))
         return token_surprisal if surprisal else None
@@ -343,36 +356,21 @@ class Engine:
         vocabulary) tensor is ever whole in memory (100 MB per 512 tokens for a 49K vocabulary); others
         compute the chunk's logits.
         """
-        hidden = self._final_hidden(kv, chunk, start)
-        head = None
-        if hidden is None:
-            hidden = self.forward(kv, chunk, start, logits_to_keep=len(chunk))
+        if getattr(self.model, "semanticache_forward", None) is None and type(self.model).__name__ not in _PLAIN_HEAD:
+            outputs = self._run(kv, chunk, start, len(chunk), head=True)  # the logits themselves
+            head = None
         else:  # converted weights may keep a head for many positions at once (semanticache_rag.weights)
+            outputs = self._run(kv, chunk, start, len(chunk), head=False)  # final hidden states
             reading = getattr(self.model, "semanticache_reading_head", None)
             head = self.model.get_output_embeddings() if reading is None else partial(F.linear, weight=reading.weight)
         out = torch.empty(len(targets))
         with torch.inference_mode():
             for row in range(0, len(targets), _SURPRISAL_ROWS):
                 wanted = targets[row : row + _SURPRISAL_ROWS]
-                rows = hidden[row : row + len(wanted)]
+                rows = outputs[row : row + len(wanted)]
                 logits = (head(rows) if head is not None else rows).float()
                 out[row : row + len(wanted)] = torch.logsumexp(logits, dim=-1) - logits.gather(1, wanted[:, None])[:, 0]
         return out
-
-    def _final_hidden(self, kv: ConversationKV, chunk: list[int], start: int) -> torch.Tensor | None:
-        """The chunk's final hidden states (T, hidden) when the logits are just the output head of them, else None."""
-        lean = getattr(self.model, "semanticache_forward", None)
-        if lean is None and type(self.model).__name__ not in _PLAIN_HEAD:
-            return None
-        input_ids = torch.tensor([chunk], device=self.device)
-        positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-        with self._lock, torch.inference_mode():
-            if lean is not None:
-                return lean(kv, input_ids, positions, len(chunk), head=False)[0]
-            out = self.model.base_model(
-                input_ids=input_ids, position_ids=positions, use_cache=True, semanticache_kv=kv, **{self._cache_kwarg: kv}
-            )
-        return out.last_hidden_state[0]
 
     def generate_uncached(self, cache: DocumentCache, turns, max_new_tokens: int = 256) -> str:
         """Greedy answer from re-reading the whole prompt with ``model.generate`` (no cache reuse).

@@ -144,7 +144,9 @@ def _discard(target: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load_model(name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None, weights: str = "model"):
+def load_model(
+    name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None, weights: str = "model"
+):
     """Load ``(model, tokenizer, model_name)`` with the package's attention function registered.
 
     ``weights`` stores the matrices as loaded (``"model"``) or as ``"bf16"``, ``"int8"`` or

@@ -27,6 +27,8 @@ each format's next-token distributions to the fp32 model's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +66,8 @@ class _WeightOnlyLinear(nn.Module):
 
 
 class BF16Linear(_WeightOnlyLinear):
+    weight: torch.Tensor
+
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         self.register_buffer("weight", linear.weight.detach().to(COMPUTE_DTYPE))
@@ -72,15 +76,30 @@ class BF16Linear(_WeightOnlyLinear):
         return F.linear(x, self.weight)
 
 
+def _int8_codes(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of ``weight`` (out, in) per group of ``group`` inputs, and their scales.
+
+    Returns codes (out, in / group, group) and fp32 scales (out, in / group), ``w ≈ code * scale``:
+    the scale is the group's largest magnitude over 127, as GGUF's Q8_0 quantises (0 for a zero group).
+    """
+    rows, columns = weight.shape
+    blocks = weight.detach().float().reshape(rows, columns // group, group)
+    scales = blocks.abs().amax(dim=-1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8), scales
+
+
 class Int8Linear(_WeightOnlyLinear):
     """Symmetric int8 weights with one scale per output row."""
 
+    codes: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("codes", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+        codes, scales = _int8_codes(linear.weight, linear.in_features)
+        self.register_buffer("codes", codes.flatten(1))
+        self.register_buffer("scales", scales[:, 0].to(COMPUTE_DTYPE))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
@@ -105,13 +124,17 @@ def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor,
 class Int4Linear(_WeightOnlyLinear):
     """4-bit codes in groups of :data:`GROUP` inputs, each group with a scale and a minimum (GGUF's Q4_1)."""
 
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         codes, scale, low = group_codes(linear.weight.detach())
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
         # the kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; (in / group, out, 2)
         zeros = low + 8 * scale
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
+        scales_and_zeros = torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
@@ -126,16 +149,16 @@ class GroupedInt8Linear(_WeightOnlyLinear):
     the codes and scales found here are the file's own.
     """
 
+    codes: torch.Tensor
+    scales: torch.Tensor
+    unit: torch.Tensor
+
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        rows, columns = linear.weight.shape
-        blocks = linear.weight.detach().float().reshape(rows, columns // GROUP, GROUP)
-        scales = blocks.abs().amax(dim=-1) / 127  # (out, groups)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        codes, scales = _int8_codes(linear.weight, GROUP)
         self.register_buffer("codes", codes.transpose(0, 1).contiguous())  # (groups, out, GROUP)
         self.register_buffer("scales", scales.transpose(0, 1).contiguous())  # (groups, out) fp32
-        self.register_buffer("unit", torch.ones(rows, dtype=COMPUTE_DTYPE))
+        self.register_buffer("unit", torch.ones(linear.out_features, dtype=COMPUTE_DTYPE))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape[0], self.out_features)
@@ -149,17 +172,22 @@ _LAYER_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
 _HEAD_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear}
 
 
+def _fits(weights: str, in_features: int) -> bool:
+    """Whether a product over ``in_features`` inputs can take the ``weights`` format (int4 and Q8_0 work in groups)."""
+    return weights != "int4" or in_features % GROUP == 0
+
+
 def _tied_head(model, head) -> bool:
     """Whether ``head`` multiplies by the input embedding table itself (which stays as loaded)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return head is not None and embedding is not None and getattr(head, "weight", None) is embedding.weight
+    return embedding is not None and getattr(head, "weight", None) is embedding.weight
 
 
-def convert_weights(model: nn.Module, weights: str) -> nn.Module:
+def convert_weights(model: Any, weights: str) -> Any:
     """Swap ``model``'s linear layers for ``weights``-format ones, in place; return the model.
 
-    ``"model"`` leaves it as it is. The input embedding stays as loaded (a lookup reads one row
-    per token), and so does any linear layer whose input size is not a multiple of the int4 group.
+    ``"model"`` leaves it as it is. The input embedding keeps its dtype (a lookup reads one row per
+    token), and so does any linear layer whose input size is not a multiple of the int4 group.
     The format is recorded as ``model.semanticache_weights`` (part of a stored cache's key). A
     Llama model also gets fused query/key/value and gate/up products and a lean forward pass for
     the engine (:mod:`.fused`), ``model.semanticache_forward``.
@@ -178,22 +206,24 @@ def convert_weights(model: nn.Module, weights: str) -> nn.Module:
         raise ConfigError(f"the model's weights are already {done!r}; load it again to use {weights!r}")
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise ConfigError(f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16")
+        raise ConfigError(
+            f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16"
+        )
     from semanticache_rag import fused
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_kind = _HEAD_KINDS[weights]
-    if weights == "int4" and _tied_head(model, head) and head.in_features % GROUP == 0:
+    if weights == "int4" and head is not None and _tied_head(model, head) and _fits(weights, head.in_features):
         # GGUF's Q8_0 head for decoding (fewer bytes, and the default model's own codes); reading, which
         # needs the logits of many positions (surprisal), multiplies by the tied fp32 embedding table
         head_kind = GroupedInt8Linear
         model.semanticache_reading_head = model.get_input_embeddings()
-    if fused.supports(model) and (weights != "int4" or model.config.hidden_size % GROUP == 0):
+    if fused.supports(model) and _fits(weights, model.config.hidden_size):
         fused.fuse_projections(model, _LAYER_KINDS[weights])
         model.semanticache_forward = fused.FusedLlama(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or (weights == "int4" and child.in_features % GROUP):
+            if not isinstance(child, nn.Linear) or not _fits(weights, child.in_features):
                 continue
             kind = head_kind if child is head else _LAYER_KINDS[weights]
             setattr(parent, name, kind(child))
@@ -207,9 +237,13 @@ def _own_parameters(model: nn.Module) -> None:
 
     transformers maps the weights file; converting reads every page of it, and the mapping stays
     resident while any tensor still points into it, so the converted model would keep the whole
-    file in its RSS (513 MiB for the default model) besides its own copies.
+    file in its RSS (513 MiB for the default model) besides its own copies. A parameter shared by
+    several modules (a tied head left as loaded) stays shared.
     """
+    copies: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for module in model.modules():
             for name, parameter in list(module.named_parameters(recurse=False)):
-                setattr(module, name, nn.Parameter(parameter.detach().clone(), requires_grad=False))
+                if id(parameter) not in copies:
+                    copies[id(parameter)] = nn.Parameter(parameter.detach().clone(), requires_grad=False)
+                setattr(module, name, copies[id(parameter)])

@@ -154,14 +154,34 @@ def test_speed_tables_put_every_row_in_its_length_column():
     rows = [
         {"system": "llama.cpp", "tokens": 2000, "decode_ms": 15.0},
         {"system": "llama.cpp", "tokens": 2000, "read_tok_s": 240.0},
-        {"system": "ours", "weights": "int4", "cache": "full", "tokens": 2000, "decode_ms": 22.0, "floor_ms": 6.0,
-         "kl_to_fp32_full": 0.0001, "compress_share": 0.0, "read_tok_s": 380.0},
-        {"system": "ours", "weights": "int4", "cache": "SemantiCache 0.75", "tokens": 4000, "decode_ms": 19.0,
-         "floor_ms": 4.6, "kl_to_fp32_full": 0.035, "compress_share": 0.12, "read_tok_s": 310.0},
+        {
+            "system": "ours",
+            "weights": "int4",
+            "cache": "full",
+            "tokens": 2000,
+            "decode_ms": 22.0,
+            "floor_ms": 6.0,
+            "kl_to_fp32_full": 0.0001,
+            "compress_share": 0.0,
+            "read_tok_s": 380.0,
+        },
+        {
+            "system": "ours",
+            "weights": "int4",
+            "cache": "SemantiCache 0.75",
+            "tokens": 4000,
+            "decode_ms": 19.0,
+            "floor_ms": 4.6,
+            "kl_to_fp32_full": 0.035,
+            "compress_share": 0.12,
+            "read_tok_s": 310.0,
+        },
     ]
     text = table(rows, [2000, 4000])
     assert "| llama.cpp, Q4_1 GGUF | 15.0 |  |" in text
     assert "| ours, int4 weights, SemantiCache 0.75 |  | 19.0 (4.6) | 0.0350 | 12% |" in text
     assert "| read tok/s: ours, int4 weights | 380.0 |  | | |" in text
-    memory = memory_table([{"weights": "int4", "compression": "none", "ratio": None, "read_adds_mib": 330, "cache_mib": 311}])
+    memory = memory_table(
+        [{"weights": "int4", "compression": "none", "ratio": None, "read_adds_mib": 330, "cache_mib": 311}]
+    )
     assert "| int4 | none | 330 | 311 |" in memory

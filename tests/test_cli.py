@@ -130,7 +130,12 @@ def test_the_demo_decodes_with_int4_weights_and_other_commands_as_loaded(monkeyp
     monkeypatch.setattr(
         Engine, "from_pretrained", classmethod(lambda cls, *a, weights, **k: loaded.append(weights) or 1 / 0)
     )
-    for argv in (["demo"], ["demo", "--weights", "model"], ["ask", "x.pdf", "-q", "?"], ["ask", "x.pdf", "-q", "?", "--weights", "bf16"]):
+    for argv in (
+        ["demo"],
+        ["demo", "--weights", "model"],
+        ["ask", "x.pdf", "-q", "?"],
+        ["ask", "x.pdf", "-q", "?", "--weights", "bf16"],
+    ):
         args = cli.build_parser().parse_args(argv)
         with pytest.raises(ZeroDivisionError):  # stopped where the engine would load
             cli._engine(args)

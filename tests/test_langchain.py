@@ -378,7 +378,9 @@ def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, mon
     monkeypatch.setattr(_common, "_RUNTIMES", _common.OrderedDict())
     monkeypatch.setattr(_common, "_MODELS", _common.OrderedDict())
     loads, real = [], models.load_model
-    monkeypatch.setattr(models, "load_model", lambda name, weights="model": loads.append(name) or real(name, weights=weights))
+    monkeypatch.setattr(
+        models, "load_model", lambda name, weights="model": loads.append(name) or real(name, weights=weights)
+    )
     plain = ChatSemantiCache(model=str(tiny_model_dir)).engine
     squeezed = ChatSemantiCache(model=str(tiny_model_dir), compression="semanticache", compression_ratio=0.5).engine
     assert plain.model is squeezed.model and loads == [str(tiny_model_dir)]

@@ -164,16 +164,35 @@ def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_ll
     with torch.inference_mode():  # transformers' own forward, through the row slices
         positions = torch.arange(cache.positions, cache.positions + len(ids))[None]
         stock = model(
-            input_ids=torch.tensor([ids]), position_ids=positions, use_cache=True, logits_to_keep=len(ids),
-            semanticache_kv=stock_kv, cache=stock_kv,
+            input_ids=torch.tensor([ids]),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=len(ids),
+            semanticache_kv=stock_kv,
+            cache=stock_kv,
         ).logits[0]
     assert torch.allclose(lean, stock, rtol=0, atol=1e-5)
     step = engine.forward(lean_kv, [5], cache.positions + len(ids))
     with torch.inference_mode():
         stock_step = model(
-            input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[cache.positions + len(ids)]]), use_cache=True,
-            semanticache_kv=stock_kv, cache=stock_kv,
+            input_ids=torch.tensor([[5]]),
+            position_ids=torch.tensor([[cache.positions + len(ids)]]),
+            use_cache=True,
+            semanticache_kv=stock_kv,
+            cache=stock_kv,
         ).logits[0, -1:]
     assert torch.allclose(step, stock_step, rtol=0, atol=1e-5)
     # and stock generation still runs on the sliced projections
     assert model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False).shape[1] == len(ids) + 3
+
+
+def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):
+    from semanticache_rag.weights import _own_parameters
+
+    model = copy.deepcopy(tiny_llama)
+    model.lm_head.weight = model.get_input_embeddings().weight
+    before = model.get_input_embeddings().weight
+    _own_parameters(model)
+    after = model.get_input_embeddings().weight
+    assert after is model.lm_head.weight and after.data_ptr() != before.data_ptr()
+    assert torch.equal(after, before)

@@ -83,7 +83,6 @@ class Compressor:
             layers.append(self.compress(keys, values, context, plan))
             if context.release_layers:
                 keys_values[index] = None  # the list's reference was the last one to this layer's full KV
-            del keys, values
         return tuple(layers)
 
     def compress_cache(self, keys_values, context: CompressionContext):

@@ -91,8 +91,8 @@ class SemantiCacheCompressor(Compressor):
         before surprising tokens; off by default until measured (``benchmarks/ruler.py``'s
         ``niah_facts`` task asks for names, cities and codes).
     search_steps : int
-        Precision of the tau search, in halvings of [-1, 1] (it tries 8 taus per head and round, so
-        the default 20 takes 7 rounds).
+        Precision of the tau search, in halvings of [-1, 1] (it tries 4 taus per head and round, so
+        the default 20 takes at most 9 rounds).
     backend : str
         Clustering kernel: ``"auto"`` (Triton on CUDA tensors when installed), ``"torch"`` or
         ``"triton"``; ``value_similarity`` runs on torch only.
@@ -262,7 +262,8 @@ class SemantiCacheCompressor(Compressor):
         """Per head, the largest tau whose clustering keeps at most ``plan.target`` entries.
 
         A search with :data:`_SEARCH_WAYS` candidates per round, to the precision of
-        ``search_steps`` halvings of [-1, 1] (20 halvings: 7 rounds instead of 20 bisection steps).
+        ``search_steps`` halvings of [-1, 1] (20 halvings: 9 rounds instead of 20 bisection steps),
+        ended early once every head keeps exactly its budget.
         """
         low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
         fractions = torch.arange(1, _SEARCH_WAYS + 1, dtype=torch.float32)[:, None] / (_SEARCH_WAYS + 1)
@@ -272,11 +273,10 @@ class SemantiCacheCompressor(Compressor):
             fits = counts <= plan.target
             # the last candidate that fits, and the first above it (counts grow with tau)
             last = torch.where(fits, torch.arange(_SEARCH_WAYS)[:, None], -1).amax(0)
-            lower = torch.where(last >= 0, candidates.gather(0, last.clamp(min=0)[None])[0], low)
-            above = (last + 1).clamp(max=_SEARCH_WAYS - 1)
-            high = torch.where(last < _SEARCH_WAYS - 1, candidates.gather(0, above[None])[0], high)
-            low = lower
-            kept = torch.where(last >= 0, counts.gather(0, last.clamp(min=0)[None])[0], -1)
+            at, above = last.clamp(min=0)[None], (last + 1).clamp(max=_SEARCH_WAYS - 1)[None]
+            high = torch.where(last < _SEARCH_WAYS - 1, candidates.gather(0, above)[0], high)
+            low = torch.where(last >= 0, candidates.gather(0, at)[0], low)
+            kept = torch.where(last >= 0, counts.gather(0, at)[0], -1)
             if bool((kept == plan.target).all()):  # every head keeps exactly its budget: done
                 break
         return low
