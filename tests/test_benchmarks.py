@@ -185,3 +185,18 @@ def test_speed_tables_put_every_row_in_its_length_column():
         [{"weights": "int4", "compression": "none", "ratio": None, "read_adds_mib": 330, "cache_mib": 311}]
     )
     assert "| int4 | none | 330 | 311 |" in memory
+
+
+def test_llama_bench_without_cmake_says_how_to_get_it_and_keeps_a_finished_build(tmp_path, monkeypatch):
+    from benchmarks import llama_bench
+
+    monkeypatch.setattr(llama_bench.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="needs cmake"):
+        llama_bench.ensure_llama_bench(tmp_path / "none-yet")
+    binary = tmp_path / "done" / "bin" / "llama-bench"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    record = {"version": llama_bench.VERSION, "binary": str(binary), "build_s": 1.0}
+    (tmp_path / "done" / llama_bench.MARKER).write_text(json.dumps(record))
+    assert llama_bench.ensure_llama_bench(tmp_path / "done") == record  # found, nothing rebuilt or removed
+    assert binary.is_file()

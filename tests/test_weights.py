@@ -196,3 +196,9 @@ def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):
     after = model.get_input_embeddings().weight
     assert after is model.lm_head.weight and after.data_ptr() != before.data_ptr()
     assert torch.equal(after, before)
+
+
+def test_weight_formats_refuse_a_model_off_the_cpu(tiny_llama):
+    model = copy.deepcopy(tiny_llama).to("meta")  # any device but the CPU: these are torch's CPU kernels
+    with pytest.raises(ConfigError, match="runs on CPUs"):
+        convert_weights(model, "int4")
