@@ -37,9 +37,8 @@ def semanticache_attention(module, query, key, value, attention_mask, scaling=No
     if document is None:
         out = proportional_attention(query, key, value, scaling=scaling)
     else:
-        out = proportional_attention(
-            query, key, value, document.keys, document.values, document.log_sizes, scaling=scaling
-        )
+        doc_keys, doc_values, doc_log_sizes = state.document_tensors(module.layer_idx)
+        out = proportional_attention(query, key, value, doc_keys, doc_values, doc_log_sizes, scaling=scaling)
     return out, None
 
 

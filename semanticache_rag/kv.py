@@ -53,6 +53,32 @@ class LayerKV:
         """Real (non-padding) entries summed over the KV heads."""
         return _num_entries(self.sizes, self.keys.shape)
 
+    def tensors(self, scratch: DecodeScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values to attend to (``scratch`` is for coded layers; these are stored as they are)."""
+        return self.keys, self.values
+
+
+class DecodeScratch:
+    """Two reusable buffers that coded layers (:class:`CodedLayerKV`) decode into, one layer at a time.
+
+    A decoding step attends to every layer in turn; decoding each coded layer into fresh tensors
+    made the allocator hand out (and the kernel fault in) new pages for every layer and step, which
+    cost more than the decoding itself. A scratch grows to the largest layer and is reused, so the
+    tensors it returns are valid until the next layer is decoded into it: one per conversation.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` (uninitialised) backed by the buffer ``name``."""
+        numel = shape.numel()
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
+
 
 def _log_sizes(sizes: torch.Tensor | None) -> torch.Tensor | None:
     return None if sizes is None else sizes.float().log()
@@ -130,9 +156,27 @@ class QuantizedTensor:
         out = groups.mul_(self.scales.float()[..., None]).add_(self.minimums.float()[..., None])
         return out.flatten(-2).to(self.dtype)
 
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` written into ``out`` (same shape; values bit for bit equal)."""
+        if out.dtype != torch.float32:  # the arithmetic is fp32 either way; keep one rounding
+            return out.copy_(self.decode())
+        if self.bits == 4:
+            pairs = out.unflatten(-1, (-1, 2))
+            pairs[..., 0] = self.codes & 15
+            pairs[..., 1] = self.codes >> 4
+        else:
+            out.copy_(self.codes)
+        groups = out.unflatten(-1, (self.scales.shape[-1], -1))
+        groups.mul_(self.scales[..., None]).add_(self.minimums[..., None])
+        return out
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * (8 // self.bits)))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
 
     @property
     def nbytes(self) -> int:
@@ -162,9 +206,19 @@ class LowRankTensor:
     def decode(self) -> torch.Tensor:
         return torch.matmul(self.coefficients.float(), self.basis.float()).to(self.dtype)
 
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` written into ``out``."""
+        if out.dtype != torch.float32:
+            return out.copy_(self.decode())
+        return torch.matmul(self.coefficients.float(), self.basis.float(), out=out)
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.coefficients.shape[:-1], self.basis.shape[-1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.coefficients.device
 
     @property
     def nbytes(self) -> int:
@@ -185,9 +239,17 @@ class HalfTensor:
     def decode(self) -> torch.Tensor:
         return self.data.to(self.dtype)
 
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` written into ``out``."""
+        return out.copy_(self.data)
+
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
 
     @property
     def nbytes(self) -> int:
@@ -202,9 +264,10 @@ class CodedLayerKV:
     """One layer of a document cache whose keys and values are stored coded (smaller than ``LayerKV``).
 
     ``keys`` and ``values`` are decoded on every access: each attention call over the document
-    builds one transient full-precision copy of this layer, (1, H_kv, L, D) each, freed after the
-    call. Caching the decoded tensors would make later calls faster and give the memory saving
-    back, so they are not cached.
+    builds one transient full-precision copy of this layer, (1, H_kv, L, D) each, into the
+    conversation's :class:`DecodeScratch` (:meth:`tensors`), reused by the next layer. Caching the
+    decoded tensors would make later calls faster and give the memory saving back, so they are not
+    cached.
 
     Attributes
     ----------
@@ -239,6 +302,15 @@ class CodedLayerKV:
     def num_entries(self) -> int:
         return _num_entries(self.sizes, self.key_code.shape)
 
+    def tensors(self, scratch: DecodeScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded keys and values, written into ``scratch`` (valid until its next use) when given."""
+        if scratch is None:
+            return self.keys, self.values
+        key, value = self.key_code, self.value_code
+        keys = key.decode_into(scratch.buffer("keys", key.shape, key.dtype, key.device))
+        values = value.decode_into(scratch.buffer("values", value.shape, value.dtype, value.device))
+        return keys, values
+
 
 @dataclass(frozen=True, eq=False)
 class SharedLayerKV:
@@ -269,6 +341,9 @@ class SharedLayerKV:
     @property
     def nbytes(self) -> int:
         return 0
+
+    def tensors(self, scratch: DecodeScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.tensors(scratch)
 
     @property
     def num_entries(self) -> int:
@@ -359,6 +434,16 @@ class ConversationKV(Cache):
         self.observe: Callable | None = None
         # Appended entries that precede the conversation's tokens (SeKV's rebuilt spans): kept by crop.
         self.prefix_length = 0
+        self.scratch = DecodeScratch()
+
+    def document_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer ``layer_idx``'s document keys, values and ``log s`` to attend to (coded layers decoded
+        into this conversation's scratch: valid until the next layer's call)."""
+        document = self.layers[layer_idx].document
+        if document is None:
+            raise ValueError(f"layer {layer_idx} of this conversation has no document")
+        keys, values = document.tensors(self.scratch)
+        return keys, values, document.log_sizes
 
     @property
     def appended_length(self) -> int:

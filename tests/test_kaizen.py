@@ -15,7 +15,15 @@ from semanticache_rag.compressors.kaizen import (
     select_options,
 )
 from semanticache_rag.compressors.kaizen_calibration import calibrate, save_table
-from semanticache_rag.kv import ConversationKV, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
+from semanticache_rag.kv import (
+    CodedLayerKV,
+    ConversationKV,
+    HalfTensor,
+    LayerKV,
+    LowRankTensor,
+    QuantizedTensor,
+    SharedLayerKV,
+)
 
 QUESTION = "Who may copy it?"
 
@@ -64,6 +72,28 @@ def test_decoding_is_code_times_scale_plus_minimum_bit_for_bit(bits):
     groups = codes.unflatten(-1, (2, 32)).float()
     want = (groups * code.scales.float()[..., None] + code.minimums.float()[..., None]).flatten(-2)
     assert torch.equal(code.decode(), want)
+
+
+def test_attention_decodes_coded_layers_into_one_reused_scratch_bit_for_bit():
+    """Each code written into the conversation's scratch is its decode, bit for bit; the scratch's
+    buffers are reused across layers (no new tensors per layer and step), grown for a longer one."""
+    x, y = _kv(dim=64), _kv(dim=64, seed=1)
+    layers = [
+        CodedLayerKV(QuantizedTensor.encode(x, 8, 32), QuantizedTensor.encode(y, 4, 32)),
+        CodedLayerKV(LowRankTensor.encode(x, 8), HalfTensor.encode(y)),
+        SharedLayerKV(CodedLayerKV(QuantizedTensor.encode(y, 4, 32), QuantizedTensor.encode(x, 8, 32))),
+        LayerKV(x, y),
+        CodedLayerKV(QuantizedTensor.encode(_kv(length=90), 4, 32), HalfTensor.encode(_kv(length=90))),
+    ]
+    kv = ConversationKV(layers)
+    pointers = set()
+    for index, layer in enumerate(layers):
+        keys, values, _ = kv.document_tensors(index)
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+        if index < 3:
+            pointers.add((keys.data_ptr(), values.data_ptr()))
+    assert len(pointers) == 1
+    assert kv.document_tensors(3)[0] is x  # a plain layer is attended as stored
 
 
 def test_low_rank_is_exact_at_full_rank_and_shrinks_below_it():

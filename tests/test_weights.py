@@ -16,6 +16,7 @@ from semanticache_rag.weights import (
     GroupedInt8Linear,
     Int4Linear,
     Int8Linear,
+    _int8_codes,
     convert_weights,
     group_codes,
 )
@@ -82,19 +83,33 @@ def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tok
     assert engine.ask(cache, "What?", max_new_tokens=4).completion_tokens >= 1
 
 
-def test_q8_0_head_finds_its_codes_again_and_decodes_one_row_as_many():
+def test_q8_0_head_finds_its_codes_again_and_multiplies_by_them():
     g = torch.Generator().manual_seed(3)
-    codes = torch.randint(-127, 128, (40, 3, 32), generator=g).float()
+    codes = torch.randint(-127, 128, (48, 3, 32), generator=g).float()
     codes[..., 0] = 127  # Q8_0: the group's largest magnitude has code 127
-    scales = torch.rand(40, 3, 1, generator=g) * 0.01 + 1e-3
-    linear = torch.nn.Linear(96, 40, bias=False)
+    codes[0, 0, 1:] = -127  # both ends of the range through the two 4-bit planes
+    scales = torch.randint(1, 64, (48, 3, 1), generator=g) / 4096  # 127 * s / 127 == s in fp32
+    linear = torch.nn.Linear(96, 48, bias=False)
     with torch.no_grad():
-        linear.weight.copy_((codes * scales).reshape(40, 96))
+        linear.weight.copy_((codes * scales).reshape(48, 96))
+    found, found_scales = _int8_codes(linear.weight, 32)
+    assert torch.equal((found.float() * found_scales[..., None]).reshape(48, 96), linear.weight.detach())
     head = GroupedInt8Linear(linear)
-    rebuilt = (head.codes.float() * head.scales[..., None]).transpose(0, 1).reshape(40, 96)
-    assert torch.equal(rebuilt, linear.weight.detach())
     x = torch.randn(3, 96)
+    # the codes exactly, the scales in bf16, the inputs in bf16 (as every product), the output rounded to bf16
+    weight = (codes * scales.to(torch.bfloat16).float()).reshape(48, 96)
+    want = x.to(torch.bfloat16).float() @ weight.T
+    assert torch.allclose(head(x), want, rtol=2**-8, atol=1e-6)
     assert torch.allclose(head(x)[1], head(x[1:2])[0])
+
+
+def test_int4_leaves_layers_its_kernel_cannot_take_as_they_are(tiny_llama):
+    model = copy.deepcopy(tiny_llama)
+    hidden = model.config.hidden_size
+    model.odd_outputs, model.odd_inputs = torch.nn.Linear(hidden, 40), torch.nn.Linear(40, hidden)
+    convert_weights(model, "int4")
+    assert type(model.odd_outputs) is torch.nn.Linear and type(model.odd_inputs) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
 
 
 def test_int4_tied_head_decodes_q8_0_and_reads_with_the_embedding(tiny_llama, tiny_tokenizer):
@@ -140,10 +155,10 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
             codes, scale, low = group_codes(weight)
             rebuilt = codes.float().unflatten(1, (-1, 32)) * scale[..., None] + low[..., None]
             assert torch.equal(rebuilt.flatten(1), weight), name
-    head = engine.model.lm_head  # the GGUF's Q8_0 table, tied to the embedding
-    assert isinstance(head, GroupedInt8Linear)
-    rebuilt = (head.codes.float() * head.scales[..., None]).transpose(0, 1).flatten(1)
-    assert torch.equal(rebuilt, original.get_input_embeddings().weight.detach())
+    assert isinstance(engine.model.lm_head, GroupedInt8Linear)  # the GGUF's Q8_0 table, tied to the embedding
+    embedding = original.get_input_embeddings().weight.detach()
+    codes, scales = _int8_codes(embedding, 32)
+    assert torch.equal((codes.float() * scales[..., None]).flatten(1), embedding)
     cache = engine.read("The vault code for the east wing is 4417. " + "Nothing else happened. " * 40, progress=False)
     assert "4417" in engine.ask(cache, "What is the vault code for the east wing?", max_new_tokens=24).answer
 
