@@ -51,9 +51,12 @@ ABLATIONS = {
     "semanticache-token-no-digits": {"anchor_unit": "token", "protect_digits": False},
     "semanticache-no-anchors": {"protect_digits": False, "anchor_std": None},
 }
+# SeKV's anchors as they were before it shared SemantiCache's (single surprising tokens, no digits)
+SEKV_ABLATIONS = {"sekv-token-no-digits": {"anchor_unit": "token", "protect_digits": False}}
+ALL_METHODS = OUR_METHODS + tuple(ABLATIONS) + tuple(SEKV_ABLATIONS)
 
 
-def our_methods(ratios, methods=OUR_METHODS + tuple(ABLATIONS)):
+def our_methods(ratios, methods=ALL_METHODS):
     """(method, ratio, compressor) for every compressor of this package.
 
     ``ratio`` is the device budget for all of them: SeKV's summary and per-question expansion
@@ -69,6 +72,8 @@ def our_methods(ratios, methods=OUR_METHODS + tuple(ABLATIONS)):
     }
     for name, options in ABLATIONS.items():
         makers[name] = functools.partial(SemantiCacheCompressor, **options)
+    for name, options in SEKV_ABLATIONS.items():
+        makers[name] = functools.partial(SeKVCompressor, **options)
     for ratio in ratios:
         for method in methods:
             if method in makers:
@@ -95,7 +100,7 @@ def kl(reference: torch.Tensor | None, other: torch.Tensor | None) -> float:
     return float((reference.exp() * (reference - other)).sum(-1).mean())
 
 
-def run_ours(engine: Engine, contexts, ratios, methods=OUR_METHODS + tuple(ABLATIONS)) -> list[dict]:
+def run_ours(engine: Engine, contexts, ratios, methods=ALL_METHODS) -> list[dict]:
     rows = []
     for context in tqdm(contexts, desc="contexts (ours)", unit="ctx"):
         prefill = engine.prefill(context.document, surprisal=True, progress=False)
@@ -236,7 +241,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 7500])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
     parser.add_argument("--samples", type=int, default=2, help="contexts per task and length")
-    methods = OUR_METHODS + tuple(ABLATIONS)
+    methods = ALL_METHODS
     parser.add_argument("--methods", nargs="+", default=list(methods), choices=methods)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvpress", action="store_true", help="also run kvpress's presses in their own venv")

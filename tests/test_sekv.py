@@ -102,11 +102,44 @@ def test_ratio_zero_keeps_every_token(engine, document_text):
         ({"zoom_tokens": -1}, "zoom_tokens"),
         ({"zoom_share": 1.0}, "zoom_share"),
         ({"rank": 0}, "rank"),
+        ({"anchor_unit": "span"}, "anchor_unit must be one of"),
+        ({"max_word_tokens": 0}, "max_word_tokens"),
     ],
 )
 def test_bad_configs_name_the_value(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         SeKVCompressor(**kwargs)
+
+
+def test_anchors_keep_whole_words_and_digits_as_semanticache_does(tiny_tokenizer, document_text):
+    """The summary keeps each token of an anchor's word as an entry of its own (no span merges them)."""
+    from semanticache_rag.chunking import word_ids
+    from semanticache_rag.compressors.base import CompressionContext
+
+    text = document_text[:1500] + " The maintenance code is Q7-TANGERINE-318. " + document_text[1500:2500]
+    encoded = tiny_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(encoded["input_ids"])
+    words = word_ids(ids, tiny_tokenizer)
+    inside = text.index("Q7-") + 1
+    first = next(i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a <= inside < b)
+    code = (words == words[first]).nonzero()[:, 0].tolist()
+    digits = [i for i in code if any(ch.isdigit() for ch in tiny_tokenizer.decode([int(ids[i])]))]
+    assert len(code) > 8 and 0 < len(digits) < len(code)
+    surprisal = torch.rand(len(ids), generator=torch.Generator().manual_seed(0)) + 1
+    surprisal[code] = 0.0  # the code's tokens start no span of their own accord ...
+    surprisal[code[1]] = 50.0  # ... but one of them is the most surprising token
+    context = CompressionContext(ids, torch.zeros(len(ids), dtype=torch.bool), surprisal, tiny_tokenizer)
+
+    def alone(options):  # code tokens that are an entry of their own
+        plan = SeKVCompressor(0.5, max_word_tokens=32, **options).prepare(context)  # the tiny tokenizer splits finely
+        entry = plan.entry_of_token
+        return {i for i in code if int(plan.length[entry[i]]) == 1 and int(plan.start[entry[i]]) == i}
+
+    assert alone({"protect_digits": False}) == set(code)
+    token_only = alone({"anchor_unit": "token", "protect_digits": False})
+    assert code[1] in token_only and token_only != set(code)
+    assert set(digits) <= alone({"anchor_unit": "token", "anchor_std": 100.0})  # digits come first
+    assert not set(digits) <= alone({"anchor_unit": "token", "protect_digits": False, "anchor_std": 100.0})
 
 
 def test_registry_builds_sekv():

@@ -8,9 +8,10 @@ version:
 
 - **Spans** come from prefill surprisal (``-log p``): a span starts where the model was
   surprised (SeKV's boundary rule, surprisal > mean + ``anchor_std`` std, taken highest first
-  until the budget is met); the most surprising tokens (*anchors*), template tokens, the first
-  ``sink_tokens`` and the last ``window_tokens`` stay whole. Spans are shared by all layers
-  and heads, so one decision expands a span everywhere.
+  until the budget is met); *anchors* (tokens holding a digit, then the most surprising ones,
+  each with its whole word: :mod:`.anchors`, as SemantiCache keeps them), template tokens, the
+  first ``sink_tokens`` and the last ``window_tokens`` stay whole. Spans are shared by all
+  layers and heads, so one decision expands a span everywhere.
 - **Summary** (device): one entry per span, the mean key and value with the proportional-
   attention bias ``log |span|`` (exact when a span's tokens are identical).
 - **Host copy**: each span's keys and values per layer and head as a rank-``rank`` SVD (spans
@@ -35,6 +36,7 @@ from typing import ClassVar
 
 import torch
 
+from semanticache_rag.compressors.anchors import UNITS, anchor_priority, choose_anchors, context_words
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kv import ConversationKV, LayerKV
@@ -280,6 +282,13 @@ class SeKVCompressor(Compressor):
         Span boundaries and anchors: tokens with surprisal above mean + ``anchor_std`` std.
     anchor_share : float
         Most of the summary that anchors (tokens kept whole) may take, in [0, 1].
+    anchor_unit : str
+        ``"word"``: an anchor keeps every token of its whitespace-delimited word (up to
+        ``max_word_tokens``); ``"token"``: its token only.
+    max_word_tokens : int
+        Longest word kept whole.
+    protect_digits : bool
+        Tokens holding a digit are anchors before any other.
     sink_tokens, window_tokens : int
         First and last tokens kept whole.
     """
@@ -292,6 +301,9 @@ class SeKVCompressor(Compressor):
     rank: int = 16
     anchor_std: float = 1.0
     anchor_share: float = 0.25
+    anchor_unit: str = "word"
+    max_word_tokens: int = 16
+    protect_digits: bool = True
     sink_tokens: int = 4
     window_tokens: int = 32
 
@@ -306,6 +318,10 @@ class SeKVCompressor(Compressor):
             )
         if self.rank < 1 or self.sink_tokens < 0 or self.window_tokens < 0:
             raise ConfigError(f"rank must be >= 1 and sink/window tokens >= 0, got rank={self.rank!r}")
+        if self.anchor_unit not in UNITS:
+            raise ConfigError(f"anchor_unit must be one of {UNITS}, got {self.anchor_unit!r}")
+        if self.max_word_tokens < 1:
+            raise ConfigError(f"max_word_tokens must be >= 1, got {self.max_word_tokens!r}")
 
     def budgets(self, num_tokens: int) -> tuple[int, int]:
         """(summary entries, zoom tokens) per head for a prefix of ``num_tokens`` tokens."""
@@ -333,19 +349,18 @@ class SeKVCompressor(Compressor):
         if context.surprisal is None:
             raise ConfigError("SeKV needs token surprisal: prefill with surprisal=True")
         surprisal = context.surprisal.float()
-        free = surprisal[~whole]
-        threshold = free.mean() + self.anchor_std * free.std() if free.numel() > 1 else float("inf")
-        priority = surprisal.masked_fill(whole, float("-inf"))
-        anchors = min(int((priority > threshold).sum()), max(0, int(self.anchor_share * summary) - int(whole.sum())))
+        priority = anchor_priority(context, whole, self.anchor_std, self.protect_digits)
+        words = context_words(context, self.anchor_unit)
+        room = max(0, int(self.anchor_share * summary) - int(whole.sum()))
         while True:  # fewer anchors when the runs between them alone exceed the budget
-            kept = whole.clone()
-            kept[priority.topk(anchors).indices] = True
+            anchors = choose_anchors(priority, whole, room, words, self.max_word_tokens)
+            kept = whole | anchors
             starts = kept.clone()
             starts[1:] |= kept[:-1]  # a token after a whole token starts a run
             starts[0] = True
-            if int(starts.sum()) <= summary or anchors == 0:
+            if int(starts.sum()) <= summary or room == 0:
                 break
-            anchors //= 2
+            room = int(anchors.sum()) // 2
         # -- the most surprising remaining tokens start new spans until the budget is used
         room = max(0, summary - int(starts.sum()))
         boundaries = surprisal.masked_fill(starts, float("-inf")).topk(min(room, int((~starts).sum()))).indices

@@ -27,7 +27,8 @@ from typing import ClassVar
 
 import torch
 
-from semanticache_rag.chunking import delimiter_mask, digit_mask, name_mask, semantic_chunks, word_ids
+from semanticache_rag.chunking import delimiter_mask, semantic_chunks
+from semanticache_rag.compressors.anchors import UNITS, anchor_priority, choose_anchors, context_words
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
@@ -43,7 +44,6 @@ from semanticache_rag.kv import LayerKV
 logger = logging.getLogger(__name__)
 
 _MAX_WIDTH = 512  # longest chunk coarsening may build
-_NAME_PRIORITY = 1e6  # above any surprisal (nats), below digits (inf)
 _SEARCH_WAYS = 4  # tau candidates per head clustered at once in each round of the search
 
 
@@ -125,8 +125,8 @@ class SemantiCacheCompressor(Compressor):
             raise ConfigError("max_chunk_length and search_steps must be >= 1, sink/window tokens >= 0")
         if not 0 <= self.anchor_share <= 1:
             raise ConfigError(f"anchor_share must be in [0, 1], got {self.anchor_share!r}")
-        if self.anchor_unit not in ("word", "token"):
-            raise ConfigError(f"anchor_unit must be 'word' or 'token', got {self.anchor_unit!r}")
+        if self.anchor_unit not in UNITS:
+            raise ConfigError(f"anchor_unit must be one of {UNITS}, got {self.anchor_unit!r}")
         if self.max_word_tokens < 1:
             raise ConfigError(f"max_word_tokens must be >= 1, got {self.max_word_tokens!r}")
         check_backend(self.backend)
@@ -167,49 +167,11 @@ class SemantiCacheCompressor(Compressor):
         return _Plan(layout, protected, target)
 
     def _anchors(self, context: CompressionContext, protected: torch.Tensor, target: int) -> torch.Tensor:
-        """Digit tokens, then the most surprising tokens (> mean + k std), within ``anchor_share`` of the budget.
-
-        Kept to that share so that the rest of the budget is left to merging.
-        """
-        priority = torch.full(protected.shape, float("-inf"))
-        if self.anchor_std is not None and context.surprisal is not None:
-            free = context.surprisal[~protected]
-            threshold = free.mean() + self.anchor_std * free.std() if free.numel() > 1 else float("inf")
-            priority = torch.where(context.surprisal > threshold, context.surprisal, priority)
-        if self.protect_names:  # ranked after digits, before any surprising token
-            names = name_mask(context.token_ids, context.tokenizer)
-            priority = torch.where(names, _NAME_PRIORITY + priority.clamp(min=0), priority)
-        if self.protect_digits:  # numbers, dates, versions: facts a merged neighbour cannot restore
-            priority = torch.where(digit_mask(context.token_ids, context.tokenizer), float("inf"), priority)
-        priority = priority.masked_fill(protected, float("-inf"))
+        """Digit tokens, then the most surprising tokens (> mean + k std), within ``anchor_share`` of the budget
+        (:mod:`.anchors`). Kept to that share so that the rest of the budget is left to merging."""
+        priority = anchor_priority(context, protected, self.anchor_std, self.protect_digits, self.protect_names)
         room = max(0, int(self.anchor_share * target) - int(protected.sum()))
-        if self.anchor_unit == "word":
-            return self._word_anchors(priority, protected, room, word_ids(context.token_ids, context.tokenizer))
-        count = min(room, int(torch.isfinite(priority).sum() + (priority == float("inf")).sum()))
-        anchors = torch.zeros_like(protected)
-        anchors[priority.topk(count).indices] = True
-        return anchors
-
-    def _word_anchors(self, priority: torch.Tensor, protected: torch.Tensor, room: int, words: torch.Tensor):
-        """Whole words, by the priority of their best token, while their tokens fit ``room``."""
-        count = int(words.max()) + 1 if words.numel() else 0
-        best = torch.full((count,), float("-inf")).scatter_reduce(0, words, priority, reduce="amax")
-        lengths = torch.bincount(words, minlength=count)
-        anchors, used = torch.zeros_like(protected), 0
-        order = best.argsort(descending=True).tolist()
-        firsts = torch.searchsorted(words, torch.arange(count)).tolist()
-        for word in order:
-            if best[word] == float("-inf") or used >= room:
-                break
-            span = slice(firsts[word], firsts[word] + int(lengths[word]))
-            members = ~protected[span] & ~anchors[span]
-            if int(lengths[word]) > self.max_word_tokens:  # no spaces for long: keep its anchor tokens only
-                members &= priority[span] > float("-inf")
-            take = int(members.sum())
-            if used + take <= room:
-                anchors[span] |= members
-                used += take
-        return anchors
+        return choose_anchors(priority, protected, room, context_words(context, self.anchor_unit), self.max_word_tokens)
 
     def _layout(self, delimiters: torch.Tensor, protected: torch.Tensor, target: int) -> ChunkLayout:
         """Finest chunks with which merging can still reach ``target`` (with 10% room to search)."""
