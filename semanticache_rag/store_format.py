@@ -308,23 +308,42 @@ def load_cache(manifest: dict, path: Path, document: Document, spec: ModelSpec) 
     FileNotFoundError
         The file is missing.
     """
+    prefix_ids, token_pages, layers, zoom = _read(manifest, path, spec)
+    if prefix_ids.numel() and not -1 <= int(token_pages.min()) <= int(token_pages.max()) < document.total_pages:
+        raise EntryRejected("token pages outside the document")
+    try:
+        model_name, compressor = manifest["model_name"], manifest["compressor"]
+        prefill_s, compress_s = float(manifest["prefill_s"]), float(manifest["compress_s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EntryRejected(f"the manifest lacks {exc}") from exc
+    return DocumentCache(document, layers, prefix_ids, token_pages, model_name, compressor, prefill_s, compress_s, zoom)
+
+
+def load_layers(manifest: dict, path: Path, spec: ModelSpec) -> tuple[torch.Tensor, tuple]:
+    """The prefix token ids and the layers of a stored cache, checked as :func:`load_cache` checks
+    them, without its document (what an engine of another framework attends to: see
+    :mod:`semanticache_rag.expansion`). Raises what :func:`load_cache` raises."""
+    prefix_ids, _, layers, _ = _read(manifest, path, spec)
+    return prefix_ids, layers
+
+
+def _read(manifest: dict, path: Path, spec: ModelSpec):
     try:
         if file_sha256(path) != manifest["tensors"]["sha256"]:
             raise EntryRejected(f"tensor file checksum mismatch ({path.stat().st_size:,} bytes)")
         with safe_open(str(path), framework="pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
-        return _rebuild(manifest, tensors, document, spec)
+        return _rebuild(manifest, tensors, spec)
     except (KeyError, TypeError, IndexError, AttributeError) as exc:  # the manifest names what the file lacks
         raise EntryRejected(f"the manifest does not describe its tensors ({type(exc).__name__}: {exc})") from exc
 
 
-def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], document: Document, spec: ModelSpec) -> DocumentCache:
+def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec):
+    """(prefix ids, token pages, layers, zoom state) of a record's tensors, checked against ``spec``."""
     tokens, num_layers = int(manifest["tokens"]), int(manifest["layers"])
     prefix_ids, token_pages = tensors.pop("prefix_ids"), tensors.pop("token_pages")
     if prefix_ids.shape != (tokens,) or token_pages.shape != (tokens,) or prefix_ids.dtype != torch.long:
         raise EntryRejected("prefix tokens do not match the manifest")
-    if tokens and not -1 <= int(token_pages.min()) <= int(token_pages.max()) < document.total_pages:
-        raise EntryRejected("token pages outside the document")
     model_layers = spec.empty_layers()  # (1, H_kv, 0, D) each: the shapes this model attends with
     if num_layers != len(model_layers):
         raise EntryRejected(f"{num_layers} layers, the model has {len(model_layers)}")
@@ -335,17 +354,7 @@ def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], document: Documen
     for i, record in enumerate(storage):
         layers.append(_layer(tensors, i, record, layers, model_layers[i].keys, spec.device))
     zoom = _zoom({k.removeprefix("zoom."): v for k, v in tensors.items() if k.startswith("zoom.")}, manifest)
-    return DocumentCache(
-        document,
-        tuple(layers),
-        prefix_ids,
-        token_pages,
-        manifest["model_name"],
-        manifest["compressor"],
-        float(manifest["prefill_s"]),
-        float(manifest["compress_s"]),
-        zoom,
-    )
+    return prefix_ids, token_pages, tuple(layers), zoom
 
 
 def _layer(tensors: dict[str, torch.Tensor], i: int, record, earlier: list, like: torch.Tensor, device):

@@ -1,0 +1,160 @@
+"""Stored document caches served to another engine (vLLM): one key and value per prefix token.
+
+A request to a stock engine names a stored cache (its id, as ``semanticache-rag store list``
+prints it) and sends the same prompt tokens our engine would: the cache's prefix (template head
+and document) followed by the question. The engine's connector (:mod:`semanticache_rag.integrations.vllm_connector`)
+checks that the prompt starts with the cache's prefix tokens and writes the expanded cache
+(:mod:`semanticache_rag.expansion`: each SemantiCache core repeated its size times, Kaizen's
+coded layers decoded) into the engine's own KV cache in place of a prefill. Attention over those
+copies is our engine's attention over the compressed cache, so the answers are ours.
+
+A compressed cache is an approximation: it must never serve a request that did not ask for it.
+Requests name it in ``kv_transfer_params`` and carry a ``cache_salt`` of the cache's own
+(:func:`request_fields`), so that the blocks written for them are never found by the engine's
+prefix cache for a request that did not ask (a salt separates prefix-cache entries).
+
+This module needs torch and safetensors only; it does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from semanticache_rag.cache import ModelSpec
+from semanticache_rag.errors import SemantiCacheError
+from semanticache_rag.expansion import expand_layer
+from semanticache_rag.store_entries import entry_paths
+from semanticache_rag.store_format import FORMAT_NAME, FORMAT_VERSION, EntryRejected, load_layers
+
+DOCUMENT_FIELD = "semanticache_document"
+SALT_PREFIX = "semanticache:"
+
+
+class ServeError(SemantiCacheError):
+    """A stored cache that cannot serve a request (missing, damaged, of another model, or without a plain form)."""
+
+
+def document_salt(entry_id: str) -> str:
+    """The ``cache_salt`` of requests served from stored cache ``entry_id``."""
+    return SALT_PREFIX + entry_id
+
+
+def request_fields(entry_id: str) -> dict:
+    """Fields to add to an OpenAI-style request body (``extra_body=...`` with the ``openai`` client or
+    LangChain's ``ChatOpenAI``) to answer it from stored cache ``entry_id``."""
+    return {"kv_transfer_params": {DOCUMENT_FIELD: entry_id}, "cache_salt": document_salt(entry_id)}
+
+
+def requested_entry(kv_transfer_params) -> str | None:
+    """The stored cache a request names, or ``None`` (then it is computed as usual)."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    entry_id = kv_transfer_params.get(DOCUMENT_FIELD)
+    return entry_id if isinstance(entry_id, str) else None
+
+
+@dataclass(frozen=True, eq=False)
+class ServedPrefix:
+    """A stored cache as the engine takes it.
+
+    Attributes
+    ----------
+    entry_id : str
+    prefix_ids : tuple of int
+        The prompt tokens the cache stands for (a request's prompt must start with them).
+    layers : tuple of (keys, values)
+        Per decoder layer, (N, H_kv, D) each: one row per prefix token, token-major as paged
+        caches write them.
+    """
+
+    entry_id: str
+    prefix_ids: tuple[int, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def matches(self, prompt_ids) -> bool:
+        """Whether a prompt starts with this prefix and has at least one token after it (the engine
+        computes that one: it yields the first answer token's logits)."""
+        count = len(self.prefix_ids)
+        return len(prompt_ids) > count and tuple(prompt_ids[:count]) == self.prefix_ids
+
+
+def load_prefix(directory: str | Path, entry_id: str, spec: ModelSpec) -> ServedPrefix:
+    """Stored cache ``entry_id`` in ``directory``, checked (checksum, format, shapes against ``spec``)
+    and expanded into ``spec.dtype`` on ``spec.device``.
+
+    Raises
+    ------
+    ServeError
+        Missing, damaged, of another model, a long document's sections, or a cache without a plain
+        form (SeKV, evicting compressors, compact splices): the message says which.
+    """
+    try:
+        manifest_path, tensors_path = entry_paths(Path(directory), entry_id)
+        manifest = json.loads(manifest_path.read_bytes())
+    except FileNotFoundError:
+        raise ServeError(f"no stored cache {entry_id[:12]} in {directory}") from None
+    except (OSError, ValueError, SemantiCacheError) as exc:
+        raise ServeError(f"cannot read stored cache {entry_id[:12]} in {directory}: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ServeError(f"{manifest_path} is not a document cache manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ServeError(f"stored cache {entry_id[:12]} has format {manifest.get('format_version')!r}; read it again")
+    if "sections" in manifest:
+        raise ServeError(
+            f"stored cache {entry_id[:12]} is a long document read in sections, which our engine splices per "
+            "question; serve it with semanticache-rag serve, or store a document that fits the context"
+        )
+    if manifest.get("zoom"):
+        raise ServeError(f"stored cache {entry_id[:12]} is SeKV's, re-expanded per question: it has no plain form")
+    try:
+        prefix_ids, layers = load_layers(manifest, tensors_path, spec)
+        tokens = int(prefix_ids.numel())
+        expanded = []
+        for layer in layers:
+            keys, values = expand_layer(layer, tokens)
+            expanded.append(tuple(x[0].transpose(0, 1).to(spec.dtype).contiguous() for x in (keys, values)))
+    except (EntryRejected, FileNotFoundError) as exc:
+        raise ServeError(f"stored cache {entry_id[:12]} is damaged or of another model: {exc}") from exc
+    except SemantiCacheError as exc:  # ExpansionError: a cache that dropped tokens
+        raise ServeError(f"stored cache {entry_id[:12]}: {exc}") from exc
+    return ServedPrefix(entry_id, tuple(prefix_ids.tolist()), tuple(expanded))  # type: ignore[arg-type]
+
+
+class PrefixCache:
+    """The last few :class:`ServedPrefix` loaded, by entry id (a process serves the same documents
+    again and again); ``capacity`` entries, least recently used forgotten."""
+
+    def __init__(self, directory: str | Path, spec: ModelSpec, capacity: int = 4):
+        self.directory, self.spec, self.capacity = Path(directory), spec, capacity
+        self._entries: OrderedDict[str, ServedPrefix] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, entry_id: str) -> ServedPrefix:
+        """The prefix of ``entry_id``; raises :class:`ServeError` as :func:`load_prefix`."""
+        with self._lock:
+            found = self._entries.get(entry_id)
+            if found is not None:
+                self._entries.move_to_end(entry_id)
+                return found
+        prefix = load_prefix(self.directory, entry_id, self.spec)
+        with self._lock:
+            self._entries[entry_id] = prefix
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return prefix
+
+
+def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Slots (``block * block_size + offset``) of a request's tokens ``start .. end - 1`` in a paged
+    cache where its tokens fill ``block_ids`` in order. int64, as paged-cache writes take them."""
+    tokens = torch.arange(start, end)
+    blocks = torch.tensor(block_ids, dtype=torch.long)
+    if end > len(block_ids) * block_size:
+        raise ValueError(f"{end} tokens do not fit {len(block_ids)} blocks of {block_size}")
+    return blocks[tokens // block_size] * block_size + tokens % block_size
