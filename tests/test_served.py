@@ -28,7 +28,8 @@ def stored(tiny_llama, tiny_tokenizer, tmp_path):
     store = DocumentStore(tmp_path / "store")
     engine = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=128, store=store)
 
-    def read(compressor, text=corpus_text()[:1500]):
+    def read(compressor, text=None):
+        text = corpus_text()[:1500] if text is None else text
         engine.compressor = compressor
         before = {e.id for e in store.entries()}
         cache = engine.read(text, progress=False)
@@ -85,7 +86,8 @@ def test_damaged_missing_and_plainless_caches_are_refused_with_the_reason(stored
 def test_requests_name_a_cache_with_its_own_salt_and_prefixes_are_kept_lru(stored):
     engine, directory, read = stored
     fields = request_fields("ab" * 32)
-    assert requested_entry(fields["kv_transfer_params"]) == "ab" * 32 and fields["cache_salt"] == document_salt("ab" * 32)
+    assert requested_entry(fields["kv_transfer_params"]) == "ab" * 32
+    assert fields["cache_salt"] == document_salt("ab" * 32)
     assert requested_entry(None) is None and requested_entry({"other": 1}) is None
     assert requested_entry({"semanticache_document": 3}) is None
     ids = [read(NoCompression(), corpus_text()[:n])[1] for n in (900, 1000, 1100)]
