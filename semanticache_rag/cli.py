@@ -301,6 +301,38 @@ def _add_serve_command(sub) -> None:
     serve.set_defaults(func=cmd_serve, max_new_tokens=1024)
 
 
+def cmd_vllm_serve(args) -> None:
+    import shlex
+
+    from semanticache_rag.served import find_vllm, vllm_command
+    from semanticache_rag.store_entries import default_directory
+
+    store = args.store or default_directory()
+    command, env = vllm_command(args.model, store, find_vllm(args.vllm_python), args.passthrough)
+    if args.dry_run:
+        print(shlex.join(command))
+        return
+    print(f"Serving {args.model} with vLLM, document caches from {store}", file=sys.stderr)
+    os.execve(command[0], command, env)
+
+
+def _add_vllm_command(sub) -> None:
+    p = sub.add_parser(
+        "vllm-serve",
+        help="vLLM's OpenAI server answering from stored document caches (its KV-transfer connector)",
+        description="Run 'vllm serve MODEL' with the SemantiCache connector: requests that name a stored cache "
+        "(extra_body=semanticache_rag.served.request_fields(ID)) skip the document's prefill. Arguments after "
+        "'--' go to vLLM's server (e.g. -- --port 8001 --dtype float32).",
+    )
+    p.add_argument("model", help="the model vLLM serves (the one the caches were read with)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="the Python of vLLM's environment (default: "
+                   "this one if it has vLLM, else the venv python benchmarks/vllm_env.py builds)")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    _add_store_option(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_vllm_serve)
+
+
 def _add_cache_commands(sub) -> None:
     cache = sub.add_parser("cache", help="list, inspect or remove stored document caches")
     commands = cache.add_subparsers(dest="cache_command", required=True)
@@ -422,12 +454,18 @@ def build_parser() -> argparse.ArgumentParser:
         weights=DEMO_WEIGHTS,
     )
     _add_serve_command(sub)
+    _add_vllm_command(sub)
     _add_cache_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv and argv[:1] == ["vllm-serve"]:  # the rest is vLLM's
+        argv, passthrough = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = build_parser().parse_args(argv)
+    args.passthrough = passthrough
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         args.func(args)

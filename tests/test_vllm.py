@@ -9,6 +9,7 @@ connector serving the stored cache (``benchmarks/vllm_runner.py``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -89,7 +90,15 @@ def served(tmp_path_factory, tiny_tokenizer):
         cache = engine.read(corpus_text()[:2500], progress=False)
         (entry_id,) = {e.id for e in store.entries()} - before
         caches[name] = (cache, entry_id)
-    return model_dir, store.directory, engine, caches
+    engine.compressor = SemantiCacheCompressor(0.9)  # stored, then damaged on disk
+    before = {e.id for e in store.entries()}
+    engine.read(corpus_text()[:2500], progress=False)
+    (damaged,) = {e.id for e in store.entries()} - before
+    tensors = store.directory / f"{damaged}.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    return model_dir, store.directory, engine, caches, damaged
 
 
 def run_vllm(tmp_path, model_dir, store_dir, requests: list[dict]) -> dict:
@@ -104,7 +113,7 @@ def run_vllm(tmp_path, model_dir, store_dir, requests: list[dict]) -> dict:
 
 
 def test_vllm_answers_from_the_stored_cache_as_our_engine(served, tmp_path):
-    model_dir, store_dir, engine, caches = served
+    model_dir, store_dir, engine, caches, damaged = served
     tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
     prompt = caches["none"][0].prefix_ids.tolist() + tail
     expected = {name: greedy(engine, cache, tail) for name, (cache, _) in caches.items()}
@@ -113,6 +122,7 @@ def test_vllm_answers_from_the_stored_cache_as_our_engine(served, tmp_path):
         {"prompt_ids": prompt, "entry": None, "max_tokens": STEPS},  # names no cache: computed as usual
         {"prompt_ids": prompt, "entry": caches["semanticache-0.75"][1], "salt": False, "max_tokens": STEPS},
         {"prompt_ids": prompt, "entry": "0" * 64, "max_tokens": STEPS},  # no such cache
+        {"prompt_ids": prompt, "entry": damaged, "max_tokens": STEPS},  # fails its checksum
         {"prompt_ids": [5, *prompt[1:]], "entry": caches["semanticache-0.75"][1], "max_tokens": STEPS},
     ]
     result = run_vllm(tmp_path, model_dir, store_dir, requests)
@@ -126,8 +136,60 @@ def test_vllm_answers_from_the_stored_cache_as_our_engine(served, tmp_path):
     full_tokens, full_logprobs = expected["none"]
     for name in ("semanticache-0.5", "semanticache-0.75"):  # compressed caches answer otherwise than the full one
         assert max(abs(a - b) for a, b in zip(expected[name][1], full_logprobs)) > 0.05, name
-    unnamed, unsalted, missing, other_prompt = outputs[len(caches) :]
-    for out in (unnamed, unsalted, missing):  # vLLM's own prefill: the full cache's answer, never the compressed one
+    unnamed, unsalted, missing, corrupt, other_prompt = outputs[len(caches) :]
+    for out in (unnamed, unsalted, missing, corrupt):  # vLLM's own prefill: the full cache's answer, never another
         assert out["token_ids"] == full_tokens
         torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(full_logprobs), rtol=0, atol=2e-3)
-    assert missing["num_cached_tokens"] < prefix and other_prompt["num_cached_tokens"] < prefix
+    for out in (missing, corrupt, other_prompt):
+        assert out["num_cached_tokens"] < prefix
+    assert (store_dir / f"{damaged}.safetensors").exists()  # serving never deletes a user's entry
+
+
+def test_vllm_serve_answers_openai_clients_from_the_stored_cache(served, tmp_path):
+    """``semanticache-rag vllm-serve`` starts vLLM's OpenAI server with the connector; the openai client
+    names the cache with ``extra_body`` and gets our engine's answer."""
+    import socket
+    import sys
+    import time
+    import urllib.request
+
+    from openai import OpenAI
+
+    from semanticache_rag.served import request_fields
+
+    model_dir, store_dir, engine, caches, _ = served
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "semanticache_rag.cli", "vllm-serve", str(model_dir), "--store", str(store_dir)]
+    command += ["--", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager"]
+    log = (tmp_path / "server.log").open("w")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache on CPU (else 92% of the memory)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.time() < deadline, "vLLM's server did not start"
+                time.sleep(2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
+        for name in ("none", "semanticache-0.75"):
+            cache, entry_id = caches[name]
+            tokens, _ = greedy(engine, cache, tail)
+            response = client.completions.create(
+                model=str(model_dir),
+                prompt=cache.prefix_ids.tolist() + tail,
+                max_tokens=STEPS,
+                temperature=0,
+                extra_body={**request_fields(entry_id), "return_token_ids": True},
+            )
+            assert response.choices[0].model_extra["token_ids"] == tokens, name  # (random weights: the text is bytes)
+        assert "stored cache" not in (tmp_path / "server.log").read_text()  # no request fell back
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
