@@ -5,11 +5,12 @@ Reads a JSON job, writes a JSON result; it imports vLLM, so it runs only in that
     python benchmarks/vllm_runner.py JOB.json RESULT.json
 
 Job: ``{"model": DIR, "store": DIR, "dtype": "float32", "max_model_len": N, "connector": true,
-"requests": [{"prompt_ids": [...], "entry": ID or null, "salt": true, "max_tokens": 8}, ...],
-"concurrency": [1]}``. ``entry`` names a stored cache (``kv_transfer_params``); ``salt: false``
-leaves the cache's salt out. Result: per request the generated token ids, the log-probability of
-each, ``num_cached_tokens`` (prompt tokens vLLM did not compute: its prefix cache and the
-connector), and timings; plus the connector's served-token count and vLLM's version.
+"prefix_caching": true, "requests": [{"prompt_ids": [...], "entry": ID or null, "salt": true,
+"max_tokens": 8}, ...], "batches": [[0, 1], [2], ...]}``. ``entry`` names a stored cache
+(``kv_transfer_params``); ``salt: false`` leaves the cache's salt out; the requests of one batch
+are submitted together (default: one at a time). Result: per request the generated token ids, the
+log-probability of each, ``num_cached_tokens`` (prompt tokens vLLM did not compute: its prefix
+cache and the connector) and the time to its first token; per batch its wall time; vLLM's version.
 """
 
 from __future__ import annotations
@@ -66,26 +67,30 @@ def main(job_path: str, result_path: str) -> None:
         max_model_len=job.get("max_model_len", 4096),
         enforce_eager=True,
         kv_transfer_config=kv_transfer,
+        enable_prefix_caching=job.get("prefix_caching", True),
+        disable_log_stats=False,  # per-request metrics: the time to the first token
         seed=0,
     )
     startup_s = time.perf_counter() - started
     prompts, params = _requests(job)
-    outputs = []
-    for prompt, param in zip(prompts, params):  # one at a time: timings per request
+    outputs: list[dict] = [{} for _ in prompts]
+    batches = job.get("batches") or [[i] for i in range(len(prompts))]
+    walls = []
+    for batch in batches:
         began = time.perf_counter()
-        (out,) = llm.generate([prompt], param, use_tqdm=False)
-        seconds = time.perf_counter() - began
-        completion = out.outputs[0]
-        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs or [], completion.token_ids)]
-        outputs.append(
-            {
+        results = llm.generate([prompts[i] for i in batch], [params[i] for i in batch], use_tqdm=False)
+        walls.append(time.perf_counter() - began)
+        for index, out in zip(batch, results):
+            completion = out.outputs[0]
+            steps = zip(completion.logprobs or [], completion.token_ids)
+            metrics = getattr(out, "metrics", None)
+            outputs[index] = {
                 "token_ids": list(completion.token_ids),
-                "logprobs": logprobs,
+                "logprobs": [float(step[token].logprob) for step, token in steps],
                 "num_cached_tokens": out.num_cached_tokens,
-                "seconds": seconds,
+                "ttft_s": getattr(metrics, "first_token_latency", None),
             }
-        )
-    result = {"vllm_version": vllm.__version__, "startup_s": startup_s, "outputs": outputs}
+    result = {"vllm_version": vllm.__version__, "startup_s": startup_s, "outputs": outputs, "batch_s": walls}
     Path(result_path).write_text(json.dumps(result))
 
 
