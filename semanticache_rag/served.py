@@ -60,6 +60,20 @@ def requested_entry(kv_transfer_params) -> str | None:
     return entry_id if isinstance(entry_id, str) else None
 
 
+def served_request(engine, cache, question: str) -> dict:
+    """The body fields of a completion request that vLLM with the connector answers from ``cache``'s
+    stored entry as ``engine`` would: ``prompt`` (the cache's prefix tokens, then the question's), the
+    cache's id in ``kv_transfer_params`` and its ``cache_salt``. ``engine`` must keep a store (the
+    one vLLM's connector reads) and ``cache`` must be one ``engine.read`` returned."""
+    from semanticache_rag.prompts import Turn
+
+    if engine.store is None:
+        raise ConfigError("the engine keeps no store: Engine(..., store=DocumentStore(DIR)), the directory vLLM reads")
+    entry_id = engine.store.key(engine, cache.document).id
+    tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
+    return {"prompt": cache.prefix_ids.tolist() + tail, **request_fields(entry_id)}
+
+
 @dataclass(frozen=True, eq=False)
 class ServedPrefix:
     """A stored cache as the engine takes it.

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import corpus_text
 
-from semanticache_rag import DocumentStore, Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
+from semanticache_rag import ConfigError, DocumentStore, Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
 from semanticache_rag.compressors import make_compressor
 from semanticache_rag.expansion import expand_cache
 from semanticache_rag.served import (
@@ -96,6 +96,22 @@ def test_requests_name_a_cache_with_its_own_salt_and_prefixes_are_kept_lru(store
     assert kept.get(ids[0]) is first
     kept.get(ids[1]), kept.get(ids[2])
     assert kept.get(ids[0]) is not first  # forgotten, read again
+
+
+def test_a_served_request_names_the_stored_entry_and_sends_our_prompt_tokens(stored, tiny_tokenizer):
+    from semanticache_rag.prompts import Turn
+    from semanticache_rag.served import served_request
+
+    engine, _, read = stored
+    cache, entry_id = read(SemantiCacheCompressor(0.5))
+    body = served_request(engine, cache, "Who may copy it?")
+    tail = tiny_tokenizer(engine.prompt.tail([Turn("Who may copy it?")]), add_special_tokens=False)["input_ids"]
+    assert body["prompt"] == cache.prefix_ids.tolist() + tail
+    assert body["kv_transfer_params"] == {"semanticache_document": entry_id}
+    assert body["cache_salt"] == document_salt(entry_id)
+    engine.store = None
+    with pytest.raises(ConfigError, match="keeps no store"):
+        served_request(engine, cache, "Who may copy it?")
 
 
 def test_slots_follow_the_request_blocks():
