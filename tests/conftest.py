@@ -64,7 +64,8 @@ def tiny_tokenizer():
     return fast
 
 
-def _tiny_model(kind: str, vocab_size: int):
+def _tiny_model(kind: str, vocab_size: int, **overrides):
+    """A random tiny Llama or Qwen2 (seed 0) with our attention; ``overrides`` change its config."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from semanticache_rag.attention import register_attention
@@ -82,6 +83,7 @@ def _tiny_model(kind: str, vocab_size: int):
         bos_token_id=None,
         pad_token_id=0,
     )
+    common.update(overrides)
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention())

@@ -14,10 +14,9 @@ import subprocess
 
 import pytest
 import torch
-from conftest import corpus_text
+from conftest import _tiny_model, corpus_text
 
 from semanticache_rag import DocumentStore, Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
-from semanticache_rag.attention import register_attention
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.models import home_dir
 from semanticache_rag.prompts import Turn
@@ -51,24 +50,8 @@ def greedy(engine: Engine, cache, tail: list[int], steps: int = STEPS) -> tuple[
 def served(tmp_path_factory, tiny_tokenizer):
     """A tiny Llama with head_dim 64 (vLLM's CPU attention takes 32, 64, ...) on disk, one document read
     and stored per compressor; returns (model dir, store dir, engine, {name: (cache, entry id)})."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=len(tiny_tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        eos_token_id=2,
-        bos_token_id=None,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).eval()
+    sizes = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64)
+    model = _tiny_model("llama", len(tiny_tokenizer), max_position_embeddings=4096, **sizes)
     with torch.no_grad():  # sharper attention than random weights give, so that compression changes the answers
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
