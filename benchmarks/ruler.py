@@ -100,36 +100,59 @@ def kl(reference: torch.Tensor | None, other: torch.Tensor | None) -> float:
     return float((reference.exp() * (reference - other)).sum(-1).mean())
 
 
-def run_ours(engine: Engine, contexts, ratios, methods=ALL_METHODS) -> list[dict]:
+def run_ours(engine: Engine, contexts, ratios, methods=ALL_METHODS, partial: Path | None = None) -> list[dict]:
+    """Our rows for every context, method and ratio. With ``partial``, each context's rows are appended
+    to that file as it finishes, and contexts an earlier (interrupted) run finished for exactly these
+    methods and ratios are read back from it instead of being run again."""
+    wanted = {(m, r) for m, r, _ in our_methods(ratios, methods)}
+    finished: dict[str, list[dict]] = {}
+    if partial is not None and partial.is_file():
+        for line in partial.read_text().splitlines():
+            row = json.loads(line)
+            finished.setdefault(row["context_id"], []).append(row)
+        finished = {c: r for c, r in finished.items() if {(x["method"], x["ratio"]) for x in r} == wanted}
     rows = []
-    for context in tqdm(contexts, desc="contexts (ours)", unit="ctx"):
-        prefill = engine.prefill(context.document, surprisal=True, progress=False)
-        reference = {}
-        for method, ratio, compressor in our_methods(ratios, methods):
-            cache = engine.compress(prefill, compressor)
-            for q in context.questions:
-                tail = tail_ids(engine, q.text)
-                answer = engine.ask(cache, q.text, max_new_tokens=32)
-                if method == "full":
-                    reference[q.qid] = (
-                        answer.completion_ids,
-                        forced_logprobs(engine, cache, tail, answer.completion_ids),
-                    )
-                ids, ref_logp = reference[q.qid]
-                rows.append(
-                    _row(
-                        method,
-                        ratio,
-                        context,
-                        q,
-                        answer.answer,
-                        answer.cache_bytes,  # device bytes this answer used (SeKV: summary + rebuilt spans)
-                        cache.full_nbytes,
-                        prefill.seconds + cache.compress_s,
-                        answer.tokens_per_s,
-                        kl(ref_logp, forced_logprobs(engine, cache, tail, ids)),
-                    )
+    todo = [c for c in contexts if c.context_id not in finished]
+    for context in contexts:
+        rows += finished.get(context.context_id, [])
+    for context in tqdm(todo, desc="contexts (ours)", unit="ctx"):
+        context_rows = _run_context(engine, context, ratios, methods)
+        rows += context_rows
+        if partial is not None:
+            with open(partial, "a") as handle:
+                handle.writelines(json.dumps(r) + "\n" for r in context_rows)
+    return rows
+
+
+def _run_context(engine: Engine, context, ratios, methods) -> list[dict]:
+    rows = []
+    prefill = engine.prefill(context.document, surprisal=True, progress=False)
+    reference = {}
+    for method, ratio, compressor in our_methods(ratios, methods):
+        cache = engine.compress(prefill, compressor)
+        for q in context.questions:
+            tail = tail_ids(engine, q.text)
+            answer = engine.ask(cache, q.text, max_new_tokens=32)
+            if method == "full":
+                reference[q.qid] = (
+                    answer.completion_ids,
+                    forced_logprobs(engine, cache, tail, answer.completion_ids),
                 )
+            ids, ref_logp = reference[q.qid]
+            rows.append(
+                _row(
+                    method,
+                    ratio,
+                    context,
+                    q,
+                    answer.answer,
+                    answer.cache_bytes,  # device bytes this answer used (SeKV: summary + rebuilt spans)
+                    cache.full_nbytes,
+                    prefill.seconds + cache.compress_s,
+                    answer.tokens_per_s,
+                    kl(ref_logp, forced_logprobs(engine, cache, tail, ids)),
+                )
+            )
     return rows
 
 
@@ -297,7 +320,8 @@ def main() -> None:
     if args.kvpress_only:
         rows = _our_rows(args.out)
     else:
-        rows = run_ours(engine, contexts, args.ratios, args.methods)
+        args.out.mkdir(parents=True, exist_ok=True)
+        rows = run_ours(engine, contexts, args.ratios, args.methods, partial=args.out / "ruler_ours_partial.tmp")
         write_results(rows, args, started)  # kept even if the kvpress part fails or is interrupted
     if args.kvpress or args.kvpress_only:
         from semanticache_rag.models import resolve_model

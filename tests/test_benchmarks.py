@@ -200,3 +200,23 @@ def test_llama_bench_without_cmake_says_how_to_get_it_and_keeps_a_finished_build
     (tmp_path / "done" / llama_bench.MARKER).write_text(json.dumps(record))
     assert llama_bench.ensure_llama_bench(tmp_path / "done") == record  # found, nothing rebuilt or removed
     assert binary.is_file()
+
+
+def test_ruler_keeps_each_finished_context_and_resumes_from_it(tiny_model_dir, tmp_path):
+    from benchmarks import ruler
+    from semanticache_rag import Engine
+
+    engine = Engine.from_pretrained(str(tiny_model_dir))
+    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    contexts = ruler.build(["niah_single_1"], [300], 1, count, 0)
+    partial = tmp_path / "partial.tmp"
+    rows = ruler.run_ours(engine, contexts, [0.5], ["full", "semanticache"], partial=partial)
+    assert len(partial.read_text().splitlines()) == len(rows) > 0
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished context was read again")
+
+    engine.prefill = fail
+    assert ruler.run_ours(engine, contexts, [0.5], ["full", "semanticache"], partial=partial) == rows
+    with pytest.raises(AssertionError, match="read again"):  # other methods: that context is not finished
+        ruler.run_ours(engine, contexts, [0.5], ["full", "sekv"], partial=partial)
