@@ -145,11 +145,14 @@ class SemantiCacheConnector(KVConnectorBase_V1):
                 load.block_ids = list(new.block_ids[0])
                 meta.loads.append(load)
         cached = scheduler_output.scheduled_cached_reqs  # requests resumed after preemption load again
+        resumed = getattr(cached, "resumed_req_ids", set())
         for index, request_id in enumerate(getattr(cached, "req_ids", [])):
-            load = self._pending.pop(request_id, None)
             blocks = cached.new_block_ids[index] if index < len(cached.new_block_ids) else None
-            if load is not None and blocks is not None:
-                load.block_ids = list(blocks[0])
+            if request_id not in resumed or blocks is None:  # others get only their newly added blocks here
+                continue
+            load = self._pending.pop(request_id, None)
+            if load is not None:
+                load.block_ids = list(blocks[0])  # a resumed request's whole block list
                 meta.loads.append(load)
         return meta
 
