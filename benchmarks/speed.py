@@ -101,9 +101,9 @@ def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
     return [{**r, "build_s": build["build_s"], "version": build["version"]} for r in rows]
 
 
-def decode(engine: Engine, cache, steps: int, forced: list[int] | None):
-    """Greedy (or ``forced``) decoding after the question: (token ids, log-probs per step, seconds per step)."""
-    tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
+def decode(engine: Engine, cache, steps: int, forced: list[int] | None, question: str = QUESTION):
+    """Greedy (or ``forced``) decoding after ``question``: (token ids, log-probs per step, seconds per step)."""
+    tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
     kv = ConversationKV(cache.layers)
     logits = engine.forward(kv, tail, cache.positions)[-1]
     ids, logprobs, times = [], [], []

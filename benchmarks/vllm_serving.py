@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 from benchmarks.report import environment
+from benchmarks.speed import decode
 from benchmarks.vllm_env import ensure_vllm_env, vllm_environment
 from semanticache_rag import DocumentStore, Engine, NoCompression
 from semanticache_rag.compressors import make_compressor
-from semanticache_rag.prompts import Turn
+from semanticache_rag.served import requested_entry, served_request
 
 RESULTS = Path(__file__).parent / "results" / "vllm"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -53,18 +54,6 @@ def document(tokenizer, name: str, fact: str, tokens: int) -> str:
     text = tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
     cut = text.rfind("\n", 0, len(text) // 2) + 1
     return text[:cut] + fact + "\n" + text[cut:]
-
-
-def greedy(engine: Engine, cache, tail: list[int], steps: int) -> list[int]:
-    from semanticache_rag.kv import ConversationKV
-
-    kv = ConversationKV(cache.layers)
-    logits = engine.forward(kv, tail, cache.positions)[-1]
-    tokens = []
-    for step in range(steps):
-        tokens.append(int(logits.argmax()))
-        logits = engine.forward(kv, [tokens[-1]], cache.positions + len(tail) + step)[-1]
-    return tokens
 
 
 def run_vllm(python: Path, work: Path, job: dict) -> dict:
@@ -96,15 +85,14 @@ def main() -> None:
     for name, fact, subject in DOCUMENTS:
         text = document(engine.tokenizer, name, fact, args.tokens)
         question = f"What is the special magic number for {subject} mentioned in the document?"
-        tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
         per_cache = {}
         for cache_name, ratio in CACHES:
             engine.compressor = NoCompression() if ratio is None else make_compressor(cache_name, ratio)
-            before = {e.id for e in store.entries()}
             cache = engine.read(text, progress=False)
-            (entry_id,) = {e.id for e in store.entries()} - before
-            prompt = cache.prefix_ids.tolist() + tail
-            per_cache[cache_name] = (entry_id, prompt, greedy(engine, cache, tail, args.steps), cache.nbytes)
+            body = served_request(engine, cache, question)  # our prompt tokens and the stored entry's id
+            ours = decode(engine, cache, args.steps, None, question)[0]
+            entry_id = requested_entry(body["kv_transfer_params"])
+            per_cache[cache_name] = (entry_id, body["prompt"], ours, cache.nbytes)
         docs.append(per_cache)
     read_s = time.perf_counter() - started
     requests, batches, labels = [], [], []

@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import _tiny_model, corpus_text
 
+from benchmarks.speed import decode
 from semanticache_rag import DocumentStore, Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
-from semanticache_rag.kv import ConversationKV
 from semanticache_rag.models import home_dir
 from semanticache_rag.prompts import Turn
 
@@ -33,17 +33,10 @@ QUESTION = "Who may reproduce the Work?"
 STEPS = 8
 
 
-def greedy(engine: Engine, cache, tail: list[int], steps: int = STEPS) -> tuple[list[int], list[float]]:
-    """Our engine's greedy tokens after ``tail`` and the log-probability of each."""
-    kv = ConversationKV(cache.layers)
-    logits = engine.forward(kv, tail, cache.positions)[-1]
-    tokens, logprobs = [], []
-    for step in range(steps):
-        token = int(logits.argmax())
-        tokens.append(token)
-        logprobs.append(float(logits.float().log_softmax(-1)[token]))
-        logits = engine.forward(kv, [token], cache.positions + len(tail) + step)[-1]
-    return tokens, logprobs
+def greedy(engine: Engine, cache) -> tuple[list[int], list[float]]:
+    """Our engine's greedy tokens after :data:`QUESTION` and the log-probability of each."""
+    tokens, logprobs, _ = decode(engine, cache, STEPS, None, QUESTION)
+    return tokens, logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +92,7 @@ def test_vllm_answers_from_the_stored_cache_as_our_engine(served, tmp_path):
     model_dir, store_dir, engine, caches, damaged = served
     tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
     prompt = caches["none"][0].prefix_ids.tolist() + tail
-    expected = {name: greedy(engine, cache, tail) for name, (cache, _) in caches.items()}
+    expected = {name: greedy(engine, cache) for name, (cache, _) in caches.items()}
     requests = [{"prompt_ids": prompt, "entry": entry_id, "max_tokens": STEPS} for _, entry_id in caches.values()]
     requests += [
         {"prompt_ids": prompt, "entry": None, "max_tokens": STEPS},  # names no cache: computed as usual
@@ -163,7 +156,7 @@ def test_vllm_serve_answers_openai_clients_from_the_stored_cache(served, tmp_pat
         tail = engine.tokenizer(engine.prompt.tail([Turn(QUESTION)]), add_special_tokens=False)["input_ids"]
         for name in ("none", "semanticache-0.75"):
             cache, entry_id = caches[name]
-            tokens, _ = greedy(engine, cache, tail)
+            tokens, _ = greedy(engine, cache)
             response = client.completions.create(
                 model=str(model_dir),
                 prompt=cache.prefix_ids.tolist() + tail,
