@@ -89,7 +89,7 @@ def forced_logprobs(engine: Engine, cache, tail: list[int], answer: tuple[int, .
     if not answer:
         return None
     kv, _ = working_cache(engine, cache, tail)  # SeKV zooms in on the question, as when answering
-    logits = engine.forward(kv, tail + list(answer[:-1]), cache.length, logits_to_keep=len(answer))
+    logits = engine.forward(kv, tail + list(answer[:-1]), cache.positions, logits_to_keep=len(answer))
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -74,6 +74,12 @@ def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     ExpansionError
         SeKV caches, sections spliced at compact positions, caches that dropped tokens.
     """
+    _check_fixed(cache)
+    return tuple(expand_layer(layer, cache.length) for layer in cache.layers)
+
+
+def _check_fixed(cache) -> None:
+    """Refuse what has no fixed plain form at the positions it was read at (see :func:`expand_cache`)."""
     from semanticache_rag.cache import DocumentCache
 
     if not isinstance(cache, DocumentCache):
@@ -92,4 +98,46 @@ def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
             "(sections spliced at positions of their own): another engine would start them at "
             f"{cache.length}; expand a document read whole, or sections spliced back to back"
         )
-    return tuple(expand_layer(layer, cache.length) for layer in cache.layers)
+
+
+def compact_cache(cache, inv_freqs: list[torch.Tensor]):
+    """The same cache at compact positions: ``P`` slots per head instead of ``N`` positions.
+
+    ``P`` is the most entries any KV head of any layer keeps; shorter heads are padded (size 0, so
+    ``log s = -inf``), every key is turned by ``P - N`` positions (:func:`~semanticache_rag.rotation.rotate_keys`,
+    ``inv_freqs`` per layer as :attr:`Engine.rope_frequencies`) and the question starts at ``P``
+    instead of ``N``. RoPE scores depend on the query's and key's positions only through their
+    difference, which one shared turn leaves unchanged: the answers are the original cache's (up to
+    float32 rounding of the rotation), so compact positions cost no accuracy. An engine that pages
+    one slot per position (vLLM) could then hold ``P`` slots for a document of ``N`` tokens; what it
+    lacks is the ``+ log s`` bias per slot (kept here as ``sizes``).
+
+    Raises
+    ------
+    ExpansionError
+        The caches :func:`expand_cache` refuses.
+    """
+    from dataclasses import replace
+
+    from semanticache_rag.kv import LayerKV
+    from semanticache_rag.rotation import rotate_keys
+
+    _check_fixed(cache)
+    slots = max(int(_entries_per_head(layer).max()) for layer in cache.layers)
+    layers = []
+    for layer, inv_freq in zip(cache.layers, inv_freqs, strict=True):
+        keys, values = layer.keys, layer.values
+        sizes = layer.sizes if layer.sizes is not None else torch.ones(keys.shape[:3], dtype=torch.int32)
+        pad = slots - keys.shape[2]
+        keys, values = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (keys, values))
+        sizes = torch.nn.functional.pad(sizes, (0, pad))  # padding: size 0
+        layers.append(LayerKV(rotate_keys(keys, slots - cache.length, inv_freq), values, sizes))
+    return replace(cache, layers=tuple(layers), next_position=slots)
+
+
+def _entries_per_head(layer) -> torch.Tensor:
+    """Real entries per KV head (H_kv,) of a document-cache layer."""
+    sizes = layer.sizes
+    if sizes is None:
+        return torch.full((layer.keys.shape[1],), layer.keys.shape[2])
+    return (sizes[0] > 0).sum(-1)

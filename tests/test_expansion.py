@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from semanticache_rag import Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
 from semanticache_rag.compressors import make_compressor
-from semanticache_rag.expansion import ExpansionError, expand_cache, expand_layer
+from semanticache_rag.expansion import ExpansionError, compact_cache, expand_cache, expand_layer
 from semanticache_rag.kv import CodedLayerKV, ConversationKV, LayerKV, SharedLayerKV
 
 QUESTION = "Who may copy it?"
@@ -131,3 +131,35 @@ def test_sections_and_compact_splices_are_refused_with_what_to_do(engine, prefil
     sections = long_engine.read(corpus_text()[:40_000], progress=False)
     with pytest.raises(ExpansionError, match="SectionedCache"):
         expand_cache(sections)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [SemantiCacheCompressor(0.5), SemantiCacheCompressor(0.75), make_compressor("auto", 0.9)],
+    ids=["semanticache-0.5", "semanticache-0.75", "auto-0.9"],
+)
+def test_compact_positions_answer_as_the_positions_read_at(engine, prefill, compressor):
+    cache = engine.compress(prefill, compressor)
+    compact = compact_cache(cache, engine.rope_frequencies)
+    most = max(
+        int((layer.sizes[0] > 0).sum(-1).max()) if layer.sizes is not None else layer.keys.shape[2]
+        for layer in cache.layers
+    )
+    assert compact.positions == most
+    assert all(layer.keys.shape[2] == most for layer in compact.layers)
+    assert compact.positions < 0.75 * cache.length  # the question starts well before N
+    ours = engine.ask(cache, QUESTION, max_new_tokens=8, loop_guard=False)
+    moved = engine.ask(compact, QUESTION, max_new_tokens=8, loop_guard=False)
+    assert moved.completion_ids == ours.completion_ids
+    tail = engine.tokenizer(engine.prompt.tail([_turn()]), add_special_tokens=False)["input_ids"]
+    expected = engine.forward(ConversationKV(cache.layers), tail, cache.positions)[-1]
+    got = engine.forward(ConversationKV(compact.layers), tail, compact.positions)[-1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    shifted_wrong = engine.forward(ConversationKV(compact.layers), tail, cache.positions)[-1]
+    assert (shifted_wrong - expected).abs().max() > 1e-3  # positions do matter: the turn is what keeps them
+
+
+def test_compact_positions_refuse_what_expansion_refuses(engine, prefill):
+    cache = engine.compress(prefill, make_compressor("sekv", 0.5))
+    with pytest.raises(ExpansionError, match="re-expands"):
+        compact_cache(cache, engine.rope_frequencies)
