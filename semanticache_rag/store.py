@@ -33,7 +33,7 @@ from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.documents import Document
 from semanticache_rag.errors import StoreError
 from semanticache_rag.sections import SectionedCache
-from semanticache_rag.store_documents import load_document_text
+from semanticache_rag.store_documents import find_upload, forget_upload, keep_upload, load_document_text
 from semanticache_rag.store_entries import (
     StoredEntry,
     budget_bytes,
@@ -144,6 +144,19 @@ class DocumentStore:
         (~0.1 s per page on a CPU).
         """
         return load_document_text(self.directory / "documents", source)
+
+    def keep_upload(self, document: Document) -> None:
+        """Keep a document that came as bytes or text (a server's upload) under ``documents/uploads/``,
+        so that every process sharing this store finds it by id (:meth:`find_upload`)."""
+        keep_upload(self.directory / "documents", document)
+
+    def forget_upload(self, document: Document) -> None:
+        """Delete the kept upload of ``document``: no process finds it by id any more (its cache stays)."""
+        forget_upload(self.directory / "documents", document)
+
+    def find_upload(self, doc_id: str) -> Document | None:
+        """The kept upload with this id (the first 16 hex digits of its text's SHA-256), or ``None``."""
+        return find_upload(self.directory / "documents", doc_id)
 
     def key(self, engine, document: Document, prompt: str = "") -> CacheKey:
         """The key under which ``engine.read(document)`` (or a prompt prefix, see :class:`CacheKey`) is stored."""

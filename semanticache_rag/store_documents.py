@@ -3,6 +3,10 @@
 ``documents/<digest>.json`` keeps the text and page map extracted from a file, named by the
 SHA-256 of the file's bytes (and the format and package version, since extraction depends on them).
 A record that fails its checksum is ignored, deleted and extracted again.
+
+``documents/uploads/<sha256 of the text>.json`` keeps documents that came as bytes or text (a
+server's uploads), so that any process sharing the store finds one by its id (the first 16 hex
+digits of that SHA-256) and loads its cache instead of asking for the upload again.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+from dataclasses import replace
 from pathlib import Path
 
 from semanticache_rag.documents import Document, Page, load_document
@@ -87,3 +93,41 @@ def document_from_record(data: bytes, path: Path) -> Document:
     if not pages or any(not 0 <= p.start <= p.end <= len(text) for p in pages):
         raise EntryRejected("page map outside the text")
     return Document(text, pages, path.name, str(path.resolve()), record["sha256"], str(record["extractor"]))
+
+
+DOCUMENT_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def keep_upload(folder: Path, document: Document) -> None:
+    """Keep ``document``'s text and name in ``folder/uploads`` (best effort: a read-only store keeps nothing)."""
+    record = json.loads(document_record(document)) | {"name": document.name}
+    with contextlib.suppress(OSError):
+        (folder / "uploads").mkdir(parents=True, exist_ok=True)
+        target = folder / "uploads" / f"{document.sha256}.json"
+        if not target.exists():
+            atomic_write(target, json.dumps(record, ensure_ascii=False).encode())
+
+
+def find_upload(folder: Path, doc_id: str) -> Document | None:
+    """The kept upload whose text's SHA-256 starts with ``doc_id`` (16 hex digits), or ``None``.
+
+    A record that fails its checksum is logged and left in place (it is the user's text).
+    """
+    if not isinstance(doc_id, str) or not DOCUMENT_ID.fullmatch(doc_id):
+        return None  # nothing from a request names a path unless it is 16 hex digits
+    for path in sorted((folder / "uploads").glob(f"{doc_id}*.json")):
+        try:
+            data = path.read_bytes()
+            document = document_from_record(data, path)
+            name = json.loads(data).get("name")
+        except (OSError, EntryRejected, *LOAD_ERRORS) as exc:
+            logger.warning("Cannot use the kept upload %s: %s", path.name, exc)
+            continue
+        return replace(document, name=str(name or path.stem), source=None)
+    return None
+
+
+def forget_upload(folder: Path, document: Document) -> None:
+    """Delete the kept upload of ``document`` (the user removed it); its cache entries stay."""
+    with contextlib.suppress(OSError):
+        (folder / "uploads" / f"{document.sha256}.json").unlink(missing_ok=True)

@@ -300,3 +300,38 @@ def test_a_long_system_message_is_compressed_by_a_compressing_server(tiny_llama,
     assert first["cache_creation_tokens"] > 500 and second["cache_creation_tokens"] == 0
     assert bodies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 500
     assert second["entries_removed"] > 0.3  # the system message was compressed, not only cached
+
+
+def test_servers_sharing_a_store_answer_about_each_others_uploads(tiny_llama, tiny_tokenizer, tmp_path):
+    from semanticache_rag import DocumentStore
+
+    def replica() -> tuple[Engine, Server]:
+        engine = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", store=DocumentStore(tmp_path / "store"))
+        return engine, Server(create_app(engine, api_key=KEY, limits=Limits(new_tokens=8)))
+
+    (first_engine, first), (second_engine, second) = replica(), replica()
+    try:
+        text = "The maintenance code for the north turbine hall is Q7-TANGERINE-318. " * 20
+        document = uploaded(first, json={"text": text, "name": "hall.txt"})
+        assert document["status"] == "ready" and first_engine.store.stats.misses == 1
+        asked = {"messages": [{"role": "user", "content": "What is the code?"}], "document_id": document["id"]}
+        answers = [
+            http(s, "POST", "/v1/chat/completions", json={"model": "tiny", **asked}).json() for s in (first, second)
+        ]
+        assert answers[1]["choices"][0]["message"] == answers[0]["choices"][0]["message"]
+        assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+        assert second_engine.store.stats.misses == 0 and second_engine.store.stats.disk_hits == 1  # loaded, not read
+        shown = http(second, "GET", f"/v1/documents/{document['id']}").json()
+        assert shown["name"] == "hall.txt" and shown["status"] == "ready"
+        for bad in ("../../etc/passwd", document["id"][:8], "g" * 16):
+            assert http(second, "GET", f"/v1/documents/{bad}").status_code == 404
+        assert http(second, "DELETE", f"/v1/documents/{document['id']}").json()["deleted"] is True
+        _, third = replica()
+        try:
+            assert http(third, "GET", f"/v1/documents/{document['id']}").status_code == 404  # deleted for every replica
+        finally:
+            third.stop()
+        assert list((tmp_path / "store").glob("*.safetensors"))  # the cache itself stays, for a re-upload
+    finally:
+        first.stop()
+        second.stop()

@@ -34,6 +34,7 @@ from semanticache_rag.server.schema import ChatRequest, CompletionRequest, Reply
 logger = logging.getLogger(__name__)
 
 _DONE = object()
+DOCUMENT_WAIT_S = 10.0  # a question about a document kept in the store waits this long for its cache to load
 
 
 @dataclasses.dataclass
@@ -119,7 +120,7 @@ def create_app(engine, *, api_key: str | None = None, prompt_cache=None, limits:
 def _document_chat(engine, library, body: ChatRequest | CompletionRequest, options: dict) -> _Generation:
     """A request about an uploaded document: its messages (a completion's prompt: one question) as
     turns over the document's cache."""
-    served = library.get(body.document_id)
+    served = library.get(body.document_id, wait_s=DOCUMENT_WAIT_S)
     if served is None:
         raise HTTPException(404, f"no document {body.document_id}; upload it to /v1/documents first")
     if served.status != "ready":

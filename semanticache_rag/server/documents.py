@@ -3,8 +3,9 @@
 A document is named by its content (the first 16 hex digits of the SHA-256 of its text), so the
 same file uploaded twice is one document. Reading runs in one background thread per document and
 shares the engine with the answers being streamed (the engine interleaves them a forward pass at
-a time). The caches live in the engine's document store when it has one, so a restarted server
-reads a document it saw before in a second.
+a time). With a document store (the engine's), the caches and the uploaded texts live there, so a
+restarted server, or any server sharing the store directory (replicas), answers about a document
+uploaded to another one by its id: it loads the stored cache instead of reading the text again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ServedDocument:
     error: str | None = None
     cache: Any = None  # DocumentCache or SectionedCache once read
     created: float = field(default_factory=time.time)
+    done: threading.Event = field(default_factory=threading.Event, repr=False)  # set when read or failed
 
     def to_dict(self) -> dict:
         """What the API and the web page show of it."""
@@ -76,6 +78,9 @@ class DocumentLibrary:
     def add(self, document: Document) -> ServedDocument:
         """Start reading ``document`` (or return it when it is there already)."""
         doc_id = document.sha256[:16]
+        store = getattr(self.engine, "store", None)
+        if store is not None:
+            store.keep_upload(document)
         with self._lock:
             served = self._documents.get(doc_id)
             if served is not None and served.status != "failed":
@@ -97,6 +102,8 @@ class DocumentLibrary:
             served.status, served.error = "failed", str(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the client that uploaded it, not raised in a thread
             served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            served.done.set()
 
     def _evict(self) -> None:
         while len(self._documents) > self.max_documents:
@@ -107,15 +114,35 @@ class DocumentLibrary:
                 return
             del self._documents[oldest.id]
 
-    def get(self, doc_id: str) -> ServedDocument | None:
+    def get(self, doc_id: str, wait_s: float = 0.0) -> ServedDocument | None:
+        """The document with this id; one kept in the engine's store (uploaded here before, or to
+        another server sharing the store) is added and read from the stored cache. ``wait_s``: how
+        long to wait for a document still being read."""
         with self._lock:
-            return self._documents.get(doc_id)
+            served = self._documents.get(doc_id)
+        if served is None:
+            store = getattr(self.engine, "store", None)
+            document = store.find_upload(doc_id) if store is not None else None
+            if document is None:
+                return None
+            served = self.add(document)
+        if wait_s > 0:
+            served.done.wait(wait_s)
+        return served
 
     def all(self) -> list[ServedDocument]:
         with self._lock:
             return sorted(self._documents.values(), key=lambda d: d.created)
 
     def remove(self, doc_id: str) -> ServedDocument | None:
-        """Forget a document (its store entry stays, so uploading it again is fast)."""
+        """Forget a document, here and in the store's kept uploads (its cache entry stays, so uploading
+        it again is fast)."""
         with self._lock:
-            return self._documents.pop(doc_id, None)
+            served = self._documents.pop(doc_id, None)
+        store = getattr(self.engine, "store", None)
+        if store is None:
+            return served
+        found = served.document if served is not None else store.find_upload(doc_id)
+        if found is not None:
+            store.forget_upload(found)
+        return served if served is not None else (ServedDocument(doc_id, found) if found is not None else None)
