@@ -128,6 +128,7 @@ def test_streaming_llm_keeps_sinks_and_recent(tiny_llama, tiny_tokenizer, docume
         ({"anchor_share": 2}, "anchor_share"),
         ({"anchor_unit": "sentence"}, "anchor_unit must be one of"),
         ({"max_word_tokens": 0}, "max_word_tokens must be >= 1"),
+        ({"layer_budget_slope": 1.0}, "layer_budget_slope must be in"),
     ],
 )
 def test_bad_configs_name_the_value(kwargs, message):
@@ -211,3 +212,28 @@ def test_name_anchors_keep_a_name_within_the_budget(tiny_tokenizer, document_tex
         plan = compressor.prepare(context)
         assert len(name) > 6 and bool(plan.protected[name].all()) == names
         assert int(plan.protected.sum()) <= compressor.anchor_share * plan.target + 4 + 32
+
+
+def test_layer_targets_slope_floor_and_total():
+    from semanticache_rag.compressors.semanticache import layer_targets
+
+    assert layer_targets(100, 5, 0.0, 10, 400) == [100] * 5
+    assert layer_targets(100, 5, 0.5, 10, 400) == [150, 125, 100, 75, 50]
+    assert layer_targets(100, 5, -0.5, 10, 400) == [50, 75, 100, 125, 150]
+    floored = layer_targets(100, 5, 0.5, 80, 400)  # the last layers rise to the floor, the first give it back
+    assert min(floored) >= 80 and sum(floored) <= 500 and floored[0] > floored[-1]
+    capped = layer_targets(100, 3, 0.9, 10, 120)
+    assert max(capped) <= 120 and sum(capped) <= 300
+
+
+def test_layer_budgets_follow_the_slope_and_keep_the_total(tiny_llama, tiny_tokenizer, document_text):
+    engine = Engine(tiny_llama, tiny_tokenizer, prefill_chunk=128)
+    prefill = engine.prefill(document_text, progress=False, surprisal=True)
+    uniform = engine.compress(prefill, SemantiCacheCompressor(0.75))
+    sloped = engine.compress(prefill, SemantiCacheCompressor(0.75, layer_budget_slope=0.3))
+    kept = [layer.num_entries / layer.keys.shape[1] for layer in sloped.layers]
+    assert kept[0] > 1.15 * kept[-1] and kept == sorted(kept, reverse=True)
+    assert sloped.num_entries <= uniform.num_entries * 1.02  # the same budget, spent otherwise
+    assert abs(sloped.entries_removed - 0.75) <= 0.02
+    for layer in sloped.layers:
+        assert bool((layer.sizes[0].sum(-1) == sloped.length).all())  # every token accounted for

@@ -71,16 +71,20 @@ class Compressor:
         """Work shared by all layers of one document; its result is passed to :meth:`compress`."""
         return None
 
+    def layer_plans(self, plan, num_layers: int, context: CompressionContext) -> list:
+        """The plan each layer is compressed with: :meth:`prepare`'s, the same for every layer by default."""
+        return [plan] * num_layers
+
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext, plan) -> LayerKV:
         """Compress one layer: ``keys``/``values`` (1, H_kv, N, D) -> :class:`LayerKV`."""
         raise NotImplementedError
 
     def compress_document(self, keys_values, context: CompressionContext) -> tuple[LayerKV, ...]:
         """Compress every layer of a document: ``keys_values`` is a list of (keys, values)."""
-        plan = self.prepare(context)
+        plans = self.layer_plans(self.prepare(context), len(keys_values), context)
         layers = []
         for index, (keys, values) in enumerate(keys_values):
-            layers.append(self.compress(keys, values, context, plan))
+            layers.append(self.compress(keys, values, context, plans[index]))
             if context.release_layers:
                 keys_values[index] = None  # the list's reference was the last one to this layer's full KV
         return tuple(layers)

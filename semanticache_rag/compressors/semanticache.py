@@ -52,6 +52,29 @@ class _Plan:
     layout: ChunkLayout
     protected: torch.Tensor  # (N,) bool
     target: int  # entries per KV head
+    delimiters: torch.Tensor  # (N,) bool, to lay out chunks for another layer's target
+
+
+def layer_targets(target: int, layers: int, slope: float, floor: int, ceiling: int) -> list[int]:
+    """Entries per KV head for each layer: ``target`` on average, ``(1 + slope)`` times it in the first
+    layer and ``(1 - slope)`` times it in the last, linear in between, each within [``floor``, ``ceiling``].
+
+    The layers' sum never exceeds ``layers * target`` (what a uniform budget keeps): entries a
+    floor adds are taken back from the layers with the most.
+    """
+    if layers == 1 or slope == 0:
+        return [target] * layers
+    shares = [1 + slope * (1 - 2 * index / (layers - 1)) for index in range(layers)]
+    targets = [min(ceiling, max(floor, round(target * share))) for share in shares]
+    excess = sum(targets) - layers * target
+    while excess > 0:
+        index = max(range(layers), key=lambda i: targets[i])
+        if targets[index] <= floor:
+            break
+        step = min(excess, targets[index] - floor, max(1, excess // layers))
+        targets[index] -= step
+        excess -= step
+    return targets
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,11 @@ class SemantiCacheCompressor(Compressor):
         Capitalised words inside a sentence (names, places, titles) are anchors after digits and
         before surprising tokens; off by default until measured (``benchmarks/ruler.py``'s
         ``niah_facts`` task asks for names, cities and codes).
+    layer_budget_slope : float
+        Budget per layer: the first layer keeps ``1 + slope`` times the mean budget and the last
+        ``1 - slope`` times it, linear in between (positive: more entries where keys are least
+        alike, the early layers; see :func:`layer_targets`); 0 keeps the same budget in every layer.
+        In [-0.9, 0.9].
     search_steps : int
         Precision of the tau search, in halvings of [-1, 1] (it tries 4 taus per head and round, so
         the default 20 takes at most 9 rounds).
@@ -111,6 +139,7 @@ class SemantiCacheCompressor(Compressor):
     max_word_tokens: int = 16
     protect_digits: bool = True
     protect_names: bool = False
+    layer_budget_slope: float = 0.0
     value_similarity: bool = False
     search_steps: int = 20
     backend: str = "auto"
@@ -129,6 +158,8 @@ class SemantiCacheCompressor(Compressor):
             raise ConfigError(f"anchor_unit must be one of {UNITS}, got {self.anchor_unit!r}")
         if self.max_word_tokens < 1:
             raise ConfigError(f"max_word_tokens must be >= 1, got {self.max_word_tokens!r}")
+        if not -0.9 <= self.layer_budget_slope <= 0.9:
+            raise ConfigError(f"layer_budget_slope must be in [-0.9, 0.9], got {self.layer_budget_slope!r}")
         check_backend(self.backend)
         if self.value_similarity and self.backend == "triton":
             raise ConfigError('value_similarity runs on the torch backend only; use backend="auto" or "torch"')
@@ -149,7 +180,9 @@ class SemantiCacheCompressor(Compressor):
         target = num_tokens if self.tau is not None else self.target_entries(num_tokens)
         protected = context.protected.clone()
         if target >= num_tokens and self.tau is None:  # nothing to remove (a fixed tau merges what it finds alike)
-            return _Plan(ChunkLayout.from_chunk_ids(torch.arange(num_tokens)), protected, target)
+            return _Plan(
+                ChunkLayout.from_chunk_ids(torch.arange(num_tokens)), protected, target, torch.zeros_like(protected)
+            )
         protected[: self.sink_tokens] = True
         window = self.window_tokens
         if int(protected.sum()) + window >= target:  # a short text (a long document's last section): a shorter window
@@ -164,7 +197,21 @@ class SemantiCacheCompressor(Compressor):
         protected |= self._anchors(context, protected, target)
         delimiters = delimiter_mask(context.token_ids, context.tokenizer)
         layout = self._layout(delimiters, protected, target)
-        return _Plan(layout, protected, target)
+        return _Plan(layout, protected, target, delimiters)
+
+    def layer_plans(self, plan: _Plan, num_layers: int, context: CompressionContext) -> list[_Plan]:
+        """One plan per layer, each with its own budget when :attr:`layer_budget_slope` is set."""
+        num_tokens = context.token_ids.numel()
+        if not self.layer_budget_slope or self.tau is not None or plan.target >= num_tokens:
+            return [plan] * num_layers
+        floor = min(plan.target, math.ceil(int(plan.protected.sum()) / 0.8))  # room to merge above the protected
+        targets = layer_targets(plan.target, num_layers, self.layer_budget_slope, floor, num_tokens)
+        plans: dict[int, _Plan] = {}
+        for target in targets:
+            if target not in plans:
+                layout = self._layout(plan.delimiters, plan.protected, target)
+                plans[target] = _Plan(layout, plan.protected, target, plan.delimiters)
+        return [plans[target] for target in targets]
 
     def _anchors(self, context: CompressionContext, protected: torch.Tensor, target: int) -> torch.Tensor:
         """Digit tokens, then the most surprising tokens (> mean + k std), within ``anchor_share`` of the budget
