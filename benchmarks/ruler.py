@@ -50,6 +50,8 @@ ABLATIONS = {
     "semanticache-names": {"protect_names": True},
     "semanticache-token-no-digits": {"anchor_unit": "token", "protect_digits": False},
     "semanticache-no-anchors": {"protect_digits": False, "anchor_std": None},
+    "semanticache-anchors-0.7": {"anchor_share": 0.7},  # anchors may take 70% of the budget (default 50%)
+    "semanticache-slope-0.3": {"layer_budget_slope": 0.3},  # 1.3x the mean budget in layer 0, 0.7x in the last
 }
 # SeKV's anchors as they were before it shared SemantiCache's (single surprising tokens, no digits)
 SEKV_ABLATIONS = {"sekv-token-no-digits": {"anchor_unit": "token", "protect_digits": False}}
