@@ -43,6 +43,8 @@ KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "ch
 
 
 OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm", "kaizen", "kaizen+semanticache")
+# int4/int8 scales per 64 channels at every ratio; per 32 even when merging (the default before merge_group_size)
+KAIZEN_ABLATIONS = {"kaizen+semanticache-group-64": {"group_size": 64}, "kaizen+semanticache-group-32": {}}
 # SemantiCache's fact-keeping parts switched one at a time (the default keeps digit and surprisal
 # anchors, each with its whole word)
 ABLATIONS = {
@@ -55,7 +57,7 @@ ABLATIONS = {
 }
 # SeKV's anchors as they were before it shared SemantiCache's (single surprising tokens, no digits)
 SEKV_ABLATIONS = {"sekv-token-no-digits": {"anchor_unit": "token", "protect_digits": False}}
-ALL_METHODS = OUR_METHODS + tuple(ABLATIONS) + tuple(SEKV_ABLATIONS)
+ALL_METHODS = OUR_METHODS + tuple(ABLATIONS) + tuple(SEKV_ABLATIONS) + tuple(KAIZEN_ABLATIONS)
 
 
 def our_methods(ratios, methods=ALL_METHODS):
@@ -76,6 +78,8 @@ def our_methods(ratios, methods=ALL_METHODS):
         makers[name] = functools.partial(SemantiCacheCompressor, **options)
     for name, options in SEKV_ABLATIONS.items():
         makers[name] = functools.partial(SeKVCompressor, **options)
+    for name, options in KAIZEN_ABLATIONS.items():
+        makers[name] = functools.partial(KaizenCompressor, inner="semanticache", merge_group_size=None, **options)
     for ratio in ratios:
         for method in methods:
             if method in makers:

@@ -198,6 +198,23 @@ def test_composes_with_semanticache_at_the_same_bytes(engine, prefill):
     assert len(_answer(engine, both, 4)) > 0
 
 
+def test_coarser_groups_only_when_entries_must_merge(engine, prefill):
+    def groups(cache) -> set[int]:  # channels per scale of the quantised layers
+        codes = [
+            layer.key_code for layer in cache.layers if isinstance(getattr(layer, "key_code", None), QuantizedTensor)
+        ]
+        return {code.shape[-1] // code.scales.shape[-1] for code in codes}
+
+    options = dict(inner="semanticache", group_size=4, merge_group_size=8, options=("int8", "int4"))
+    unmerged = engine.compress(prefill, KaizenCompressor(0.5, **options))  # int4 holds every entry: no merging
+    merged = engine.compress(prefill, KaizenCompressor(0.9, **options))
+    assert unmerged.entries_removed == 0 and groups(unmerged) == {4}
+    assert merged.entries_removed > 0 and groups(merged) == {8}
+    fine = engine.compress(prefill, KaizenCompressor(0.9, **(options | {"merge_group_size": None})))
+    assert groups(fine) == {4} and fine.entries_removed > merged.entries_removed  # coarser scales kept more entries
+    assert merged.nbytes <= int(0.1 * merged.full_nbytes)
+
+
 def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):
     options = ("int8", "int4", "share")
     table = calibrate(
@@ -217,6 +234,7 @@ def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):
     [
         (dict(options=("int3",)), "'int3'"),
         (dict(group_size=7), "7"),
+        (dict(merge_group_size=3), "3"),
         (dict(budget_bytes=-1), "-1"),
         (dict(inner="sekv"), "'sekv'"),
         (dict(inner_ratio=0.5), "0.5"),
