@@ -43,8 +43,11 @@ KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "ch
 
 
 OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm", "kaizen", "kaizen+semanticache")
-# int4/int8 scales per 64 channels at every ratio; per 32 even when merging (the default before merge_group_size)
-KAIZEN_ABLATIONS = {"kaizen+semanticache-group-64": {"group_size": 64}, "kaizen+semanticache-group-32": {}}
+# int4/int8 scales per 64 channels at every ratio, or only where the inner SemantiCache merges
+KAIZEN_ABLATIONS = {
+    "kaizen+semanticache-group-64": {"group_size": 64},
+    "kaizen+semanticache-merge-64": {"merge_group_size": 64},
+}
 # SemantiCache's fact-keeping parts switched one at a time (the default keeps digit and surprisal
 # anchors, each with its whole word)
 ABLATIONS = {
@@ -79,7 +82,7 @@ def our_methods(ratios, methods=ALL_METHODS):
     for name, options in SEKV_ABLATIONS.items():
         makers[name] = functools.partial(SeKVCompressor, **options)
     for name, options in KAIZEN_ABLATIONS.items():
-        makers[name] = functools.partial(KaizenCompressor, inner="semanticache", merge_group_size=None, **options)
+        makers[name] = functools.partial(KaizenCompressor, inner="semanticache", **options)
     for ratio in ratios:
         for method in methods:
             if method in makers:

@@ -261,10 +261,11 @@ class KaizenCompressor(Compressor):
         cannot (on the default model int4 changes answers far less than merging tokens does).
     merge_group_size : int or None
         ``group_size`` when the inner compressor must merge entries to fit the budget (``inner_ratio``
-        ``None`` and Kaizen's lowest precision not enough): coarser scales leave bytes for more entries.
-        Measured on RULER-style tasks at 4K (36 questions; benchmarks/results/ruler_group_size): at ratio
-        0.9, 64 channels scored 44 (KL 0.070) against 39 (KL 0.093) for 32, the full cache 50. ``None``:
-        ``group_size`` always.
+        ``None`` and Kaizen's lowest precision not enough): coarser scales leave bytes for more
+        entries. ``None`` (the default): ``group_size`` always. Measured on RULER-style tasks with
+        ``auto`` at 0.9 (36 questions per length; benchmarks/results/ruler_group_size): 64 channels
+        scored 44 against 39 at 4K (the full cache 50) but 19 against 31 at 7.5K (the full cache 31;
+        it loses codes), so it stays off.
     """
 
     name: ClassVar[str] = "kaizen"
@@ -275,7 +276,7 @@ class KaizenCompressor(Compressor):
     calibration: str | None = "auto"
     inner: Compressor | str | None = None
     inner_ratio: float | None = None
-    merge_group_size: int | None = 64
+    merge_group_size: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
