@@ -252,7 +252,8 @@ def test_clustering_kernel_gives_the_same_assignment(dim, dtype):
 @interpret
 def test_compressor_with_triton_backend_equals_torch_backend():
     keys, values, chunk_ids, _, protected = gsc_inputs(1, 2, 77, 16, torch.float32, seed=1)
-    plan = semanticache._Plan(gsc_ref.ChunkLayout.from_chunk_ids(chunk_ids[0]), protected[0], 40)
+    layout = gsc_ref.ChunkLayout.from_chunk_ids(chunk_ids[0])
+    plan = semanticache._Plan(layout, protected[0], 40, torch.zeros_like(protected[0]))
     layers = [
         SemantiCacheCompressor(search_steps=4, backend=backend).compress(keys, values, None, plan)
         for backend in ("torch", "triton")
