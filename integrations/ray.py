@@ -54,7 +54,9 @@ AFFINITY_HEADER = "serve_multiplexed_model_id"  # Ray Serve's model multiplexing
 DOCUMENTS_PER_REPLICA = 8
 
 
-def _engine(store: str, model: str | None, compression: str | None, ratio: float | None, **options: Any):
+def _engine(
+    store: str, model: str | None = None, compression: str | None = None, ratio: float | None = None, **options: Any
+):
     """An engine over the store in ``store``; ``compression=None`` with a ratio: the best measured one."""
     from semanticache_rag import DocumentStore, Engine, make_compressor
 
@@ -76,22 +78,15 @@ class ReadDocuments:
     ----------
     store : str
         The store directory, shared by every node.
-    model, compression, ratio :
+    model, compression, ratio : optional, keyword
         As :meth:`~semanticache_rag.Engine.from_pretrained` and
         :func:`~semanticache_rag.make_compressor` (a ratio alone: the best measured compressor).
     **engine_options :
         Further :meth:`~semanticache_rag.Engine.from_pretrained` options (``weights``, ``section_tokens``).
     """
 
-    def __init__(
-        self,
-        store: str,
-        model: str | None = None,
-        compression: str | None = None,
-        ratio: float | None = None,
-        **engine_options: Any,
-    ):
-        self.engine = _engine(store, model, compression, ratio, **engine_options)
+    def __init__(self, store: str, **engine_options: Any):
+        self.engine = _engine(store, **engine_options)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         count = len(batch["path"] if "path" in batch else batch["text"])
@@ -131,18 +126,10 @@ class DocumentServer:
     (its server keeps up to 32 loaded).
     """
 
-    def __init__(
-        self,
-        store: str,
-        model: str | None = None,
-        compression: str | None = None,
-        ratio: float | None = None,
-        api_key: str | None = None,
-        **engine_options: Any,
-    ):
+    def __init__(self, store: str, api_key: str | None = None, **engine_options: Any):
         from semanticache_rag.server import create_app
 
-        self.engine = _engine(store, model, compression, ratio, **engine_options)
+        self.engine = _engine(store, **engine_options)
         self._server_app = create_app(self.engine, api_key=api_key)
         self._library = self._server_app.state.library
         self.replica = serve.get_replica_context().replica_id.unique_id  # in a response header, for operators
