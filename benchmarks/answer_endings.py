@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.report import environment
 from benchmarks.ruler import forced_logprobs, tail_ids
-from benchmarks.ruler_tasks import TASKS, build, score
+from benchmarks.ruler_tasks import TASKS, build, score, token_counter
 from semanticache_rag import Engine
 from semanticache_rag.generation import GenerationOptions, LoopGuard, Sampler
 
@@ -194,8 +194,7 @@ def main() -> None:
     started = time.perf_counter()
     engine = Engine.from_pretrained()
     recorded_rows = recorded(engine.tokenizer)
-    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    ruler_rows = ruler_options(engine, build(TASKS, args.lengths, args.samples, count))
+    ruler_rows = ruler_options(engine, build(TASKS, args.lengths, args.samples, token_counter(engine.tokenizer)))
     chat_rows = chat_session(engine)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "answer_endings.jsonl", "w") as out:

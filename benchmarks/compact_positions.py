@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.report import environment, markdown_table, mean_of
 from benchmarks.ruler import forced_logprobs, kl, tail_ids
-from benchmarks.ruler_tasks import TASKS, build, score
+from benchmarks.ruler_tasks import add_context_options, build, score, token_counter
 from semanticache_rag import Engine, SemantiCacheCompressor
 from semanticache_rag.compressors import make_compressor
 from semanticache_rag.expansion import compact_cache
@@ -81,17 +81,12 @@ METRICS = [  # after the score as read per length and overall ("mean")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model id or directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4000])
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
-    parser.add_argument("--samples", type=int, default=1, help="contexts per task and length")
+    add_context_options(parser, lengths=[4000], samples=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.perf_counter()
     engine = Engine.from_pretrained(args.model)
-    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    contexts = build(args.tasks, args.lengths, args.samples, count)
+    contexts = build(args.tasks, args.lengths, args.samples, token_counter(engine.tokenizer))
     rows = []
     for context in tqdm(contexts, desc="contexts", unit="ctx"):
         rows += run_context(engine, context, args.ratios)

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.report import environment
-from benchmarks.ruler_tasks import Context, build, score
+from benchmarks.ruler_tasks import Context, build, score, token_counter
 from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor
 from semanticache_rag.documents import document_from_text, load_document
 from semanticache_rag.reading import compress_section, prefill_section, read_head
@@ -366,7 +366,7 @@ def main() -> None:
 
         run_pdf(engine, args.pdf, args.out, started)
         return
-    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count = token_counter(engine.tokenizer)
     contexts = sorted(build(args.tasks, args.lengths, args.samples, count, args.seed), key=lambda c: c.length)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.read_speed:

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.report import QUESTIONS_AND_INTERVAL, environment, markdown_table, mean_of, score_vs_ratio_plot
-from benchmarks.ruler_tasks import TASKS, build, score
+from benchmarks.ruler_tasks import add_context_options, build, score, token_counter
 from semanticache_rag import (
     Engine,
     KaizenCompressor,
@@ -268,11 +268,7 @@ METRICS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model id or directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 7500])
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
-    parser.add_argument("--samples", type=int, default=2, help="contexts per task and length")
+    add_context_options(parser, lengths=[4000, 7500], samples=2)
     methods = ALL_METHODS
     parser.add_argument("--methods", nargs="+", default=list(methods), choices=methods)
     parser.add_argument("--seed", type=int, default=0)
@@ -310,8 +306,7 @@ def main() -> None:
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     engine = Engine.from_pretrained(args.model)
-    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    contexts = build(args.tasks, args.lengths, args.samples, count, args.seed)
+    contexts = build(args.tasks, args.lengths, args.samples, token_counter(engine.tokenizer), args.seed)
     if args.reuse_rows:
         if not (args.out / "ruler.jsonl").is_file():
             parser.error(

@@ -190,6 +190,20 @@ def qa(task: str, length: int, index: int, count_tokens, rng: random.Random) -> 
     return context
 
 
+def token_counter(tokenizer):
+    """``count_tokens`` for :func:`build`: the tokens of a text, without special tokens."""
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def add_context_options(parser, lengths: list[int], samples: int) -> None:
+    """The options a benchmark over these contexts shares: model, tasks, lengths, ratios, samples."""
+    parser.add_argument("--model", default=None, help="model id or directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=lengths)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    parser.add_argument("--samples", type=int, default=samples, help="contexts per task and length")
+
+
 def build(tasks, lengths, samples: int, count_tokens, seed: int = 0) -> list[Context]:
     """Every task x length x sample context, reproducibly from ``seed``."""
     contexts = []

@@ -81,6 +81,7 @@ def document_record(document: Document) -> bytes:
     """What re-opening the same file needs instead of extracting its text again."""
     pages = [[p.number, p.label, p.start, p.end] for p in document.pages]
     record = {"sha256": document.sha256, "extractor": document.extractor, "pages": pages, "text": document.text}
+    record["name"] = document.name  # a kept upload's label; a file's record is named after the file
     return json.dumps(record, ensure_ascii=False).encode()
 
 
@@ -100,12 +101,11 @@ DOCUMENT_ID = re.compile(r"[0-9a-f]{16}")
 
 def keep_upload(folder: Path, document: Document) -> None:
     """Keep ``document``'s text and name in ``folder/uploads`` (best effort: a read-only store keeps nothing)."""
-    record = json.loads(document_record(document)) | {"name": document.name}
     with contextlib.suppress(OSError):
         (folder / "uploads").mkdir(parents=True, exist_ok=True)
         target = folder / "uploads" / f"{document.sha256}.json"
         if not target.exists():
-            atomic_write(target, json.dumps(record, ensure_ascii=False).encode())
+            atomic_write(target, document_record(document))
 
 
 def find_upload(folder: Path, doc_id: str) -> Document | None:

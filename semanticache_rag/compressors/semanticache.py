@@ -206,7 +206,7 @@ class SemantiCacheCompressor(Compressor):
             return [plan] * num_layers
         floor = min(plan.target, math.ceil(int(plan.protected.sum()) / 0.8))  # room to merge above the protected
         targets = layer_targets(plan.target, num_layers, self.layer_budget_slope, floor, num_tokens)
-        plans: dict[int, _Plan] = {}
+        plans = {plan.target: plan}  # the mean budget's layout is laid out already
         for target in targets:
             if target not in plans:
                 layout = self._layout(plan.delimiters, plan.protected, target)

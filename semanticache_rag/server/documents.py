@@ -78,9 +78,8 @@ class DocumentLibrary:
     def add(self, document: Document) -> ServedDocument:
         """Start reading ``document`` (or return it when it is there already)."""
         doc_id = document.sha256[:16]
-        store = getattr(self.engine, "store", None)
-        if store is not None:
-            store.keep_upload(document)
+        if self._store is not None:
+            self._store.keep_upload(document)
         with self._lock:
             served = self._documents.get(doc_id)
             if served is not None and served.status != "failed":
@@ -90,6 +89,11 @@ class DocumentLibrary:
             self._evict()
         threading.Thread(target=self._read, args=(served,), daemon=True, name=f"read-{doc_id}").start()
         return served
+
+    @property
+    def _store(self):
+        """The engine's document store, where uploads are kept for other servers; ``None`` without one."""
+        return getattr(self.engine, "store", None)
 
     def _read(self, served: ServedDocument) -> None:
         def progress(done: int, total: int) -> None:
@@ -121,8 +125,7 @@ class DocumentLibrary:
         with self._lock:
             served = self._documents.get(doc_id)
         if served is None:
-            store = getattr(self.engine, "store", None)
-            document = store.find_upload(doc_id) if store is not None else None
+            document = self._store.find_upload(doc_id) if self._store is not None else None
             if document is None:
                 return None
             served = self.add(document)
@@ -139,10 +142,11 @@ class DocumentLibrary:
         it again is fast)."""
         with self._lock:
             served = self._documents.pop(doc_id, None)
-        store = getattr(self.engine, "store", None)
-        if store is None:
+        if self._store is None:
             return served
-        found = served.document if served is not None else store.find_upload(doc_id)
-        if found is not None:
-            store.forget_upload(found)
-        return served if served is not None else (ServedDocument(doc_id, found) if found is not None else None)
+        if served is None:  # kept in the store only (uploaded to another server, or before a restart)
+            found = self._store.find_upload(doc_id)
+            served = ServedDocument(doc_id, found) if found is not None else None
+        if served is not None:
+            self._store.forget_upload(served.document)
+        return served
