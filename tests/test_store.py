@@ -716,3 +716,22 @@ def test_entries_are_written_and_read_without_a_serialised_copy_in_memory(engine
     again = fresh(engine)
     assert_same_cache(cache, again.read(document_text, progress=False))
     assert again.store.stats.disk_hits == 1
+
+
+def test_kept_uploads_are_found_by_id_and_a_damaged_one_is_left_in_place(tmp_path, caplog):
+    store = DocumentStore(tmp_path / "store")
+    document = document_from_text("The maintenance code is Q7-TANGERINE-318.\n" * 3, name="hall.txt")
+    store.keep_upload(document)
+    found = store.find_upload(document.sha256[:16])
+    assert found.text == document.text and found.name == "hall.txt" and found.sha256 == document.sha256
+    for bad in ("../" * 5 + "etc", document.sha256[:8], document.sha256[:16].upper(), None):
+        assert store.find_upload(bad) is None
+    record = tmp_path / "store" / "documents" / "uploads" / f"{document.sha256}.json"
+    damaged = record.read_text().replace("TANGERINE", "TANGELO")
+    record.write_text(damaged)
+    with caplog.at_level(logging.WARNING):
+        assert store.find_upload(document.sha256[:16]) is None
+    assert "does not match its checksum" in caplog.text
+    assert record.read_text() == damaged  # the user's text is never deleted for failing a check
+    store.forget_upload(document)
+    assert not record.exists()
