@@ -435,6 +435,8 @@ class ConversationKV(Cache):
         # Appended entries that precede the conversation's tokens (SeKV's rebuilt spans): kept by crop.
         self.prefix_length = 0
         self.scratch = DecodeScratch()
+        # per layer index: (document layer, its log s); a document layer never changes, so one log per conversation
+        self._log_sizes: dict[int, tuple[object, torch.Tensor | None]] = {}
 
     def document_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Layer ``layer_idx``'s document keys, values and ``log s`` to attend to (coded layers decoded
@@ -443,7 +445,10 @@ class ConversationKV(Cache):
         if document is None:
             raise ValueError(f"layer {layer_idx} of this conversation has no document")
         keys, values = document.tensors(self.scratch)
-        return keys, values, document.log_sizes
+        known = self._log_sizes.get(layer_idx)
+        if known is None or known[0] is not document:
+            known = self._log_sizes[layer_idx] = (document, document.log_sizes)
+        return keys, values, known[1]
 
     @property
     def appended_length(self) -> int:

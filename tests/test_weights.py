@@ -160,7 +160,18 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
     codes, scales = _int8_codes(embedding, 32)
     assert torch.equal((codes.float() * scales[..., None]).flatten(1), embedding)
     cache = engine.read("The vault code for the east wing is 4417. " + "Nothing else happened. " * 40, progress=False)
-    assert "4417" in engine.ask(cache, "What is the vault code for the east wing?", max_new_tokens=24).answer
+    question = "What is the vault code for the east wing?"
+    answer = engine.ask(cache, question, max_new_tokens=24)
+    assert "4417" in answer.answer
+    # the one-token decoding step answers token for token what the general lean pass answers
+    from semanticache_rag.fused import FusedLlama
+
+    general = FusedLlama.sequence
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            FusedLlama, "step", lambda self, kv, ids, positions, head=True: general(self, kv, ids, positions, 1, head)
+        )
+        assert engine.ask(cache, question, max_new_tokens=24).answer == answer.answer
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
@@ -199,6 +210,36 @@ def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_ll
     assert torch.allclose(step, stock_step, rtol=0, atol=1e-5)
     # and stock generation still runs on the sliced projections
     assert model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False).shape[1] == len(ids) + 3
+
+
+@pytest.mark.parametrize("compression", [("none", None), ("semanticache", 0.75), ("kaizen", 0.75), ("auto", 0.9)])
+def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, compression):
+    """The one-token path (fused norms, direct products, four batched attention products, log s once)
+    computes what the general lean pass computes, over plain, merged (log s) and coded (Kaizen) caches."""
+    from semanticache_rag import make_compressor
+    from semanticache_rag.kv import ConversationKV
+
+    model = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    lean = model.semanticache_forward
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    prefill = engine.prefill("Alpha beta gamma delta. The code is 4417. " * 30, progress=False, surprisal=True)
+    cache = engine.compress(prefill, make_compressor(*compression))
+    full = engine.compress(prefill, make_compressor("none"))
+    assert (cache.nbytes < full.nbytes) == (compression[0] != "none")
+    step_kv, general_kv = ConversationKV(cache.layers), ConversationKV(cache.layers)
+    ids = tiny_tokenizer("Which code?")["input_ids"]
+    engine.forward(step_kv, ids, cache.positions)
+    engine.forward(general_kv, ids, cache.positions)
+    general_kv.observe = lambda *args: None  # any observer sends a step down the general path
+    with torch.inference_mode():
+        for offset, token in enumerate([5, 17, 5, 30]):
+            position = torch.tensor([[cache.positions + len(ids) + offset]])
+            step = lean(step_kv, torch.tensor([[token]]), position)
+            general = lean(general_kv, torch.tensor([[token]]), position)
+            assert torch.allclose(step, general, rtol=0, atol=1e-5), (offset, float((step - general).abs().max()))
+            alone = lean(ConversationKV(num_layers=len(cache.layers)), torch.tensor([[token]]), position)
+            assert not torch.allclose(step, alone, rtol=0, atol=1e-3)  # the document does count
+    assert step_kv.layers[0].length == general_kv.layers[0].length == len(ids) + 4
 
 
 def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):
