@@ -15,8 +15,10 @@ def environment(started: float) -> str:
     import torch
     import transformers
 
+    # the vector instructions torch's CPU kernels run with (AVX2, AVX512, ...): speeds differ by them
+    capability = torch.backends.cpu.get_cpu_capability()
     return (
-        f"Environment: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Environment: {platform.machine()} CPU ({capability}), {os.cpu_count()} cores, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, Python {platform.python_version()}; "
         f"ran {time.perf_counter() - started:.0f} s."
     )

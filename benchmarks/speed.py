@@ -269,6 +269,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--weights", nargs="+", default=["model", "int4"])
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory of reads (longest length)")
     parser.add_argument("--peak-read", nargs=4, help=argparse.SUPPRESS)  # one measurement, in a child process
     args = parser.parse_args()
@@ -279,10 +280,11 @@ def main() -> None:
     if args.weights[0] != "model":
         parser.error("--weights must start with 'model': its full cache is the reference of the KL")
     started = time.perf_counter()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = args.out
+    results.mkdir(parents=True, exist_ok=True)
     memory = memory_rows(args.weights, max(args.lengths))
-    (RESULTS / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
-    (RESULTS / "memory.md").write_text(
+    (results / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+    (results / "memory.md").write_text(
         "# Peak memory of one read\n\n"
         f"`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
         "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it).\n\n"
@@ -295,10 +297,10 @@ def main() -> None:
     bandwidth = read_bandwidth()
     rows = [] if args.no_llama_cpp else llama_cpp(args.lengths, args.steps)
     rows += ours(args.lengths, args.steps, args.weights, bandwidth)
-    (RESULTS / "speed.json").write_text(
+    (results / "speed.json").write_text(
         json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=1) + "\n"
     )
-    plot(rows, RESULTS / "speed.png")
+    plot(rows, results / "speed.png")
     text = (
         "# Speed on CPUs\n\n"
         f"`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps}`; "
@@ -306,7 +308,7 @@ def main() -> None:
         + table(rows, args.lengths)
         + f"\n\n{environment(started)}\n"
     )
-    (RESULTS / "speed.md").write_text(text)
+    (results / "speed.md").write_text(text)
     print(text)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semanticache_rag import coded_attention
 from semanticache_rag.attention import semanticache_attention
 from semanticache_rag.weights import COMPUTE_DTYPE
 
@@ -91,6 +92,7 @@ class FusedLlama:
         half = self.head_dim // 2
         self._swap = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # x2 | x1
         self._compute_dtype = COMPUTE_DTYPE
+        self.dtype = model.model.embed_tokens.weight.dtype  # step() is written for fp32 models
 
     @staticmethod
     def _norm(module, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,7 @@ class FusedLlama:
     ) -> torch.Tensor:
         """Logits of the last ``logits_to_keep`` positions (1, K, V); with ``head=False`` their final
         hidden states (1, K, hidden) instead."""
-        if input_ids.shape[1] == 1 and kv.observe is None:
+        if input_ids.shape[1] == 1 and kv.observe is None and self.dtype == torch.float32:
             return self.step(kv, input_ids, position_ids, head)
         return self.sequence(kv, input_ids, position_ids, logits_to_keep, head)
 
@@ -178,14 +180,16 @@ class FusedLlama:
             keys, values = kv.layers[index].update(key, value)
             scores = torch.bmm(query, keys[0].transpose(1, 2))
             document = kv.layers[index].document
-            if document is not None:
-                doc_keys, doc_values, bias = kv.document_tensors(index)
-                doc_t = doc_keys[0].transpose(1, 2)
-                doc_scores = torch.bmm(query, doc_t) if bias is None else torch.baddbmm(bias[0, :, None], query, doc_t)
+            if document is not None:  # coded layers are attended as stored (semanticache_rag.coded_attention)
+                doc_keys, doc_values = coded_attention.stored(document)
+                doc_scores = coded_attention.scores(doc_keys, query, kv.scratch)
+                bias = kv.log_sizes(index)
+                if bias is not None:
+                    doc_scores += bias[0, :, None]
                 probs = torch.softmax(torch.cat([doc_scores, scores], dim=-1), dim=-1)
-                num_doc = doc_keys.shape[2]
+                num_doc = doc_scores.shape[-1]
                 out = torch.bmm(probs[..., num_doc:], values[0])
-                out = torch.baddbmm(out, probs[..., :num_doc], doc_values[0])
+                out = coded_attention.mix(doc_values, probs[..., :num_doc], out, kv.scratch)
             else:
                 out = torch.bmm(torch.softmax(scores, dim=-1), values[0])
             x = x + self._product(attention.o_proj, out.view(1, q_size))

@@ -445,10 +445,15 @@ class ConversationKV(Cache):
         if document is None:
             raise ValueError(f"layer {layer_idx} of this conversation has no document")
         keys, values = document.tensors(self.scratch)
+        return keys, values, self.log_sizes(layer_idx)
+
+    def log_sizes(self, layer_idx: int) -> torch.Tensor | None:
+        """Layer ``layer_idx``'s document ``log s`` (computed once per conversation), or ``None``."""
+        document = self.layers[layer_idx].document
         known = self._log_sizes.get(layer_idx)
         if known is None or known[0] is not document:
-            known = self._log_sizes[layer_idx] = (document, document.log_sizes)
-        return keys, values, known[1]
+            known = self._log_sizes[layer_idx] = (document, None if document is None else document.log_sizes)
+        return known[1]
 
     @property
     def appended_length(self) -> int:
