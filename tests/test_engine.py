@@ -163,12 +163,15 @@ def test_prefill_surprisal_is_minus_log_p_of_the_next_token(tiny_model, tiny_tok
     torch.testing.assert_close(prefill.surprisal[1:], want, rtol=tolerance, atol=tolerance)
 
 
-def test_a_read_releases_the_full_layers_as_it_compresses(tiny_engine, document_text):
-    from semanticache_rag import SemantiCacheCompressor
+@pytest.mark.parametrize("compression", [("semanticache", 0.5), ("kaizen", 0.75)])
+def test_a_read_releases_the_full_layers_as_it_compresses(tiny_engine, document_text, compression):
+    from semanticache_rag import make_compressor
+    from semanticache_rag.kv import CodedLayerKV
 
     prefill = tiny_engine.prefill(document_text, progress=False, surprisal=True)
-    kept = tiny_engine.compress(prefill, SemantiCacheCompressor(0.5))  # a benchmark's prefill stays whole
+    kept = tiny_engine.compress(prefill, make_compressor(*compression))  # a benchmark's prefill stays whole
     assert all(kv is not None for kv in prefill.keys_values)
-    released = tiny_engine.compress(prefill, SemantiCacheCompressor(0.5), release=True)
+    released = tiny_engine.compress(prefill, make_compressor(*compression), release=True)
     assert all(kv is None for kv in prefill.keys_values)
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(kept.layers, released.layers))
+    assert (compression[0] == "kaizen") == any(isinstance(layer, CodedLayerKV) for layer in released.layers)

@@ -323,8 +323,10 @@ class KaizenCompressor(Compressor):
                 del row[option]
         choice = select_options(costs, sensitivity, budget)
         stored: list = []
-        for option, layer in zip(choice, layers):
-            stored.append(encode_layer(option, layer, stored[-1] if stored else None, group))
+        for index, option in enumerate(choice):
+            stored.append(encode_layer(option, layers[index], stored[-1] if stored else None, group))
+            if context.release_layers:  # the full layer's last references: its codes replace it in memory
+                layers[index] = keys_values[index] = None
         counts = ", ".join(f"{option} x{n}" for option, n in Counter(choice).items())
         logger.info("Kaizen layers: %s; %s of %s bytes", counts, f"{sum(s.nbytes for s in stored):,}", f"{budget:,}")
         return tuple(stored), None
