@@ -291,7 +291,8 @@ def main() -> None:
     (results / "memory.md").write_text(
         "# Peak memory of one read\n\n"
         f"`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
-        "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it).\n\n"
+        "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it; "
+        "glibc mapping each block of 128 KiB or more on its own, MALLOC_MMAP_THRESHOLD_=131072).\n\n"
         + memory_table(memory)
         + f"\n\n{environment(started)}\n"
     )
