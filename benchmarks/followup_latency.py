@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "followup_latency.json", help="results file")
     parser.add_argument(
         "--weights", nargs="*", default=["int4"], help="weight formats to time as well (semanticache_rag.weights)"
     )
@@ -104,11 +105,12 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "results": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "followup_latency.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
