@@ -237,3 +237,32 @@ def test_layer_budgets_follow_the_slope_and_keep_the_total(tiny_llama, tiny_toke
     assert abs(sloped.entries_removed - 0.75) <= 0.02
     for layer in sloped.layers:
         assert bool((layer.sizes[0].sum(-1) == sloped.length).all())  # every token accounted for
+
+
+def test_tau_search_returns_the_clustering_of_the_tau_it_found():
+    """The search keeps the seeds of the round that tried the chosen tau (no clustering after it): they are
+    the clustering at that tau, and a head that no tau fits gets the clustering at tau = -1."""
+    from types import SimpleNamespace
+
+    tokens, calls = 40, []
+
+    def cluster(tau):  # (K, H) -> (K, H, N): head 0 keeps more clusters as tau grows, head 1 always keeps all
+        calls.append(tau.clone())
+        own = torch.arange(tokens)
+        kept = torch.stack(
+            [((tau[:, 0] + 1) / 2 * tokens).floor().clamp(1, tokens), torch.full_like(tau[:, 1], tokens)], 1
+        )
+        return torch.where(own < kept[..., None], own, torch.zeros_like(own))
+
+    seeds = SemantiCacheCompressor(0.5)._search_tau(cluster, 2, SimpleNamespace(target=17))
+    assert seeds.shape == (2, tokens)
+    counts = (seeds == torch.arange(tokens)).sum(1)
+    assert counts[0] == 17 and counts[1] == tokens  # head 1 fits no tau: its clustering at tau = -1
+    assert [len(tau) for tau in calls] == [4] * 9 + [1]  # 9 rounds of 4 candidates, then tau = -1 for head 1
+    assert torch.equal(seeds[1], cluster(torch.tensor([[-1.0, -1.0]]))[0, 1])
+    calls.clear()
+    seeds = SemantiCacheCompressor(0.5)._search_tau(
+        lambda tau: cluster(tau.repeat(1, 2))[:, :1], 1, SimpleNamespace(target=17)
+    )
+    assert (seeds[0] == torch.arange(tokens)).sum() == 17
+    assert all(len(tau) == 4 for tau in calls)  # every head fitted: no clustering after the search

@@ -238,7 +238,7 @@ class SemantiCacheCompressor(Compressor):
             return LayerKV(keys, values)
         cluster = self._clustering(keys, values, plan)
         if self.tau is None:
-            seeds = cluster(self._search_tau(cluster, keys.shape[1], plan)[None])[0]
+            seeds = self._search_tau(cluster, keys.shape[1], plan)
         else:
             seeds = cluster(torch.full((1, keys.shape[1]), self.tau))[0]
         core_keys, core_values, sizes = merge_clusters(keys[0], values[0], seeds)
@@ -268,24 +268,35 @@ class SemantiCacheCompressor(Compressor):
         )
 
     def _search_tau(self, cluster, heads: int, plan: _Plan) -> torch.Tensor:
-        """Per head, the largest tau whose clustering keeps at most ``plan.target`` entries.
+        """Per head, the clustering (seeds, (H, N)) at the largest tau that keeps at most ``plan.target`` entries.
 
         A search with :data:`_SEARCH_WAYS` candidates per round, to the precision of
         ``search_steps`` halvings of [-1, 1] (20 halvings: 9 rounds instead of 20 bisection steps),
-        ended early once every head keeps exactly its budget.
+        ended early once every head keeps exactly its budget. The seeds of the tau found are kept
+        from the round that tried it, rather than clustered once more.
         """
         low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
         fractions = torch.arange(1, _SEARCH_WAYS + 1, dtype=torch.float32)[:, None] / (_SEARCH_WAYS + 1)
+        best: torch.Tensor | None = None  # seeds at `low` for the heads in `found`
+        found = torch.zeros(heads, dtype=torch.bool)
         for _ in range(math.ceil(self.search_steps * math.log(2) / math.log(_SEARCH_WAYS + 1))):
             candidates = low + (high - low) * fractions  # (K, H), increasing along K
-            counts = count_clusters(cluster(candidates).flatten(0, 1)).cpu().view(_SEARCH_WAYS, heads)
+            seeds = cluster(candidates)  # (K, H, N)
+            counts = count_clusters(seeds.flatten(0, 1)).cpu().view(_SEARCH_WAYS, heads)
             fits = counts <= plan.target
             # the last candidate that fits, and the first above it (counts grow with tau)
             last = torch.where(fits, torch.arange(_SEARCH_WAYS)[:, None], -1).amax(0)
             at, above = last.clamp(min=0)[None], (last + 1).clamp(max=_SEARCH_WAYS - 1)[None]
             high = torch.where(last < _SEARCH_WAYS - 1, candidates.gather(0, above)[0], high)
             low = torch.where(last >= 0, candidates.gather(0, at)[0], low)
+            chosen = seeds[at[0].to(seeds.device), torch.arange(heads, device=seeds.device)]  # (H, N)
+            moved = (last >= 0).to(seeds.device)[:, None]
+            best = chosen if best is None else torch.where(moved, chosen, best)
+            found |= last >= 0
             kept = torch.where(last >= 0, counts.gather(0, at)[0], -1)
             if bool((kept == plan.target).all()):  # every head keeps exactly its budget: done
                 break
-        return low
+        if best is None or not bool(found.all()):  # a head where no candidate fitted keeps tau = -1
+            at_low = cluster(low[None])[0]
+            best = at_low if best is None else torch.where(found.to(at_low.device)[:, None], best, at_low)
+        return best
