@@ -15,7 +15,7 @@ the weight products called directly, RoPE as one gather and one multiply-add, an
 single query written as four batched products over the document and the appended tokens, with the
 document's ``log s`` bias computed once per conversation. The arithmetic is the same as the general
 path's up to the rounding of fused operations (``tests/test_weights.py`` holds them within 1e-5),
-in about a quarter of the tensor operations.
+in two thirds of the tensor operations (1,600 instead of 2,500 per step on the default model).
 
 It applies to ``LlamaForCausalLM`` with RoPE that does not depend on the sequence length; other
 models keep transformers' forward.
