@@ -30,17 +30,12 @@ def stored(document) -> tuple[Stored, Stored]:
     return source.keys, source.values
 
 
-def _decoded(code: TensorCode, scratch: DecodeScratch, name: str) -> torch.Tensor:
-    """``code`` decoded into ``scratch``'s buffer ``name``, (H, L, D)."""
-    return code.decode_into(scratch.buffer(name, code.shape, code.dtype, code.device))[0]
-
-
 def scores(keys: Stored, query: torch.Tensor, scratch: DecodeScratch) -> torch.Tensor:
     """``query @ keys^T``: query (H_kv, G, D) (scaled), keys (1, H_kv, L, D) stored; returns (H_kv, G, L)."""
     if isinstance(keys, LowRankTensor):
         basis, coefficients = keys.basis[0].float(), keys.coefficients[0].float()  # (H, r, D), (H, L, r)
         return torch.bmm(torch.bmm(query, basis.transpose(1, 2)), coefficients.transpose(1, 2))
-    matrix = keys[0] if isinstance(keys, torch.Tensor) else _decoded(keys, scratch, "keys")
+    matrix = keys[0] if isinstance(keys, torch.Tensor) else scratch.decode("keys", keys)[0]
     return torch.bmm(query, matrix.transpose(1, 2))
 
 
@@ -49,5 +44,5 @@ def mix(values: Stored, probs: torch.Tensor, out: torch.Tensor, scratch: DecodeS
     if isinstance(values, LowRankTensor):
         basis, coefficients = values.basis[0].float(), values.coefficients[0].float()
         return torch.baddbmm(out, torch.bmm(probs, coefficients), basis)
-    matrix = values[0] if isinstance(values, torch.Tensor) else _decoded(values, scratch, "values")
+    matrix = values[0] if isinstance(values, torch.Tensor) else scratch.decode("values", values)[0]
     return torch.baddbmm(out, probs, matrix)

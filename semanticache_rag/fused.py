@@ -29,7 +29,6 @@ from torch import nn
 
 from semanticache_rag import coded_attention
 from semanticache_rag.attention import semanticache_attention
-from semanticache_rag.weights import COMPUTE_DTYPE
 
 _STATIC_ROPE = ("default", "linear", "llama3")
 
@@ -91,7 +90,6 @@ class FusedLlama:
         self.inv_freq, self.rope_scale = rotary.inv_freq, rotary.attention_scaling
         half = self.head_dim // 2
         self._swap = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # x2 | x1
-        self._compute_dtype = COMPUTE_DTYPE
         self.dtype = model.model.embed_tokens.weight.dtype  # step() is written for fp32 models
 
     @staticmethod
@@ -121,10 +119,8 @@ class FusedLlama:
         core = self.model.model
         x = core.embed_tokens(input_ids)
         length = input_ids.shape[1]
-        freqs = position_ids[..., None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = (angles.cos() * self.rope_scale).to(x.dtype)[:, None]
-        sin = (angles.sin() * self.rope_scale).to(x.dtype)[:, None]
+        cos, sin = self._cos_sin(position_ids, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(core.layers):
             attention = layer.self_attn
@@ -144,20 +140,18 @@ class FusedLlama:
         x = self._norm(core.norm, x[:, -logits_to_keep:])
         return self.model.lm_head(x) if head else x
 
-    def _rotation(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and the signed ``sin`` of one position, so that RoPE is ``x * cos + x[..., swap] * sin``."""
+    def _cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos`` and ``sin`` at ``position_ids`` (1, T): (1, T, head_dim) each, in ``dtype``."""
         freqs = position_ids[..., None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos = (angles.cos() * self.rope_scale).to(dtype)
-        sin = (angles.sin() * self.rope_scale).to(dtype)
+        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
+
+    def _rotation(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and the signed ``sin`` of one position, so that RoPE is ``x * cos + x[..., swap] * sin``."""
+        cos, sin = self._cos_sin(position_ids, dtype)
         half = sin.shape[-1] // 2
         sin[..., :half].neg_()  # rotate_half's minus sign, carried by sin
         return cos.view(-1), sin.view(-1)
-
-    def _product(self, module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` for a weight-only layer of :mod:`.weights`, ``x`` (rows, in) in the model's dtype."""
-        out = module.product(x.to(self._compute_dtype)).to(x.dtype)
-        return out if module.bias is None else out + module.bias
 
     def step(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden)."""
@@ -170,7 +164,7 @@ class FusedLlama:
         for index, layer in enumerate(core.layers):
             attention, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
-            qkv = self._product(attention.qkv_proj, F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon))
+            qkv = attention.qkv_proj.rows(F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon))
             qk = qkv[:, : q_size + kv_size].view(heads + kv_heads, dim)
             qk = torch.addcmul(qk * cos, qk.index_select(1, swap), sin)
             # (kv_heads, group, dim): query heads h = kv_head * group + g, as transformers' repeat_kv orders them
@@ -192,11 +186,11 @@ class FusedLlama:
                 out = coded_attention.mix(doc_values, probs[..., :num_doc], out, kv.scratch)
             else:
                 out = torch.bmm(torch.softmax(scores, dim=-1), values[0])
-            x = x + self._product(attention.o_proj, out.view(1, q_size))
+            x = x + attention.o_proj.rows(out.view(1, q_size))
             norm = layer.post_attention_layernorm
-            gate, up = self._product(
-                mlp.gate_up_proj, F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
-            ).chunk(2, dim=-1)
-            x = x + self._product(mlp.down_proj, F.silu(gate) * up)
+            gate, up = mlp.gate_up_proj.rows(F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)).chunk(
+                2, dim=-1
+            )
+            x = x + mlp.down_proj.rows(F.silu(gate) * up)
         x = self._norm(core.norm, x.view(1, 1, -1))
         return self.model.lm_head(x) if head else x

@@ -79,6 +79,10 @@ class DecodeScratch:
             self._buffers[name] = buffer
         return buffer[:numel].view(shape)
 
+    def decode(self, name: str, code: TensorCode) -> torch.Tensor:
+        """``code`` decoded into the buffer ``name`` (valid until that buffer's next use)."""
+        return code.decode_into(self.buffer(name, code.shape, code.dtype, code.device))
+
 
 def _log_sizes(sizes: torch.Tensor | None) -> torch.Tensor | None:
     return None if sizes is None else sizes.float().log()
@@ -306,10 +310,7 @@ class CodedLayerKV:
         """Decoded keys and values, written into ``scratch`` (valid until its next use) when given."""
         if scratch is None:
             return self.keys, self.values
-        key, value = self.key_code, self.value_code
-        keys = key.decode_into(scratch.buffer("keys", key.shape, key.dtype, key.device))
-        values = value.decode_into(scratch.buffer("values", value.shape, value.dtype, value.device))
-        return keys, values
+        return scratch.decode("keys", self.key_code), scratch.decode("values", self.value_code)
 
 
 @dataclass(frozen=True, eq=False)
@@ -435,8 +436,8 @@ class ConversationKV(Cache):
         # Appended entries that precede the conversation's tokens (SeKV's rebuilt spans): kept by crop.
         self.prefix_length = 0
         self.scratch = DecodeScratch()
-        # per layer index: (document layer, its log s); a document layer never changes, so one log per conversation
-        self._log_sizes: dict[int, tuple[object, torch.Tensor | None]] = {}
+        # per layer index, its document's log s: a layer's document never changes, so one log per conversation
+        self._log_sizes: dict[int, torch.Tensor | None] = {}
 
     def document_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Layer ``layer_idx``'s document keys, values and ``log s`` to attend to (coded layers decoded
@@ -449,11 +450,10 @@ class ConversationKV(Cache):
 
     def log_sizes(self, layer_idx: int) -> torch.Tensor | None:
         """Layer ``layer_idx``'s document ``log s`` (computed once per conversation), or ``None``."""
-        document = self.layers[layer_idx].document
-        known = self._log_sizes.get(layer_idx)
-        if known is None or known[0] is not document:
-            known = self._log_sizes[layer_idx] = (document, None if document is None else document.log_sizes)
-        return known[1]
+        if layer_idx not in self._log_sizes:
+            document = self.layers[layer_idx].document
+            self._log_sizes[layer_idx] = None if document is None else document.log_sizes
+        return self._log_sizes[layer_idx]
 
     @property
     def appended_length(self) -> int:

@@ -56,10 +56,13 @@ class _WeightOnlyLinear(nn.Module):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        out = self.product(flat).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for ``x`` (rows, in), in ``x``'s dtype (the lean decoding step calls it directly)."""
+        out = self.product(x.to(COMPUTE_DTYPE)).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -277,8 +277,7 @@ class SemantiCacheCompressor(Compressor):
         """
         low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
         fractions = torch.arange(1, _SEARCH_WAYS + 1, dtype=torch.float32)[:, None] / (_SEARCH_WAYS + 1)
-        best: torch.Tensor | None = None  # seeds at `low` for the heads in `found`
-        found = torch.zeros(heads, dtype=torch.bool)
+        best: torch.Tensor | None = None  # seeds at `low`, for the heads where a candidate fitted (low > -1)
         for _ in range(math.ceil(self.search_steps * math.log(2) / math.log(_SEARCH_WAYS + 1))):
             candidates = low + (high - low) * fractions  # (K, H), increasing along K
             seeds = cluster(candidates)  # (K, H, N)
@@ -292,10 +291,10 @@ class SemantiCacheCompressor(Compressor):
             chosen = seeds[at[0].to(seeds.device), torch.arange(heads, device=seeds.device)]  # (H, N)
             moved = (last >= 0).to(seeds.device)[:, None]
             best = chosen if best is None else torch.where(moved, chosen, best)
-            found |= last >= 0
             kept = torch.where(last >= 0, counts.gather(0, at)[0], -1)
             if bool((kept == plan.target).all()):  # every head keeps exactly its budget: done
                 break
+        found = low > -1  # candidates lie above -1: low moved exactly where one fitted
         if best is None or not bool(found.all()):  # a head where no candidate fitted keeps tau = -1
             at_low = cluster(low[None])[0]
             best = at_low if best is None else torch.where(found.to(at_low.device)[:, None], best, at_low)
