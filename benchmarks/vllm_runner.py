@@ -5,9 +5,10 @@ Reads a JSON job, writes a JSON result; it imports vLLM, so it runs only in that
     python benchmarks/vllm_runner.py JOB.json RESULT.json
 
 Job: ``{"model": DIR, "store": DIR, "dtype": "float32", "max_model_len": N, "connector": true,
-"prefix_caching": true, "requests": [{"prompt_ids": [...], "entry": ID or null, "salt": true,
-"max_tokens": 8}, ...], "batches": [[0, 1], [2], ...]}``. ``entry`` names a stored cache
-(``kv_transfer_params``); ``salt: false`` leaves the cache's salt out; the requests of one batch
+"prefix_caching": true, "requests": [{"prompt_ids": [...], "entry": ID or null, "compact": false,
+"salt": true, "max_tokens": 8}, ...], "batches": [[0, 1], [2], ...]}``. ``entry`` names a stored
+cache (``kv_transfer_params``), ``compact`` keeps it compressed in vLLM (Tier 2); ``salt: false``
+leaves the cache's salt out; the requests of one batch
 are submitted together (default: one at a time). Result: per request the generated token ids, the
 log-probability of each, ``num_cached_tokens`` (prompt tokens vLLM did not compute: its prefix
 cache and the connector) and the time to its first token; per batch its wall time; vLLM's version.
@@ -32,7 +33,7 @@ def _requests(job: dict):
         prompt = TokensPrompt(prompt_token_ids=request["prompt_ids"])
         extra = {}
         if request.get("entry"):
-            fields = request_fields(request["entry"])
+            fields = request_fields(request["entry"], compact=request.get("compact", False))
             extra["kv_transfer_params"] = fields["kv_transfer_params"]
             if request.get("salt", True):
                 prompt["cache_salt"] = fields["cache_salt"]
@@ -86,6 +87,7 @@ def main(job_path: str, result_path: str) -> None:
             metrics = getattr(out, "metrics", None)
             outputs[index] = {
                 "token_ids": list(completion.token_ids),
+                "finish_reason": completion.finish_reason,
                 "logprobs": [float(step[token].logprob) for step, token in steps],
                 "num_cached_tokens": out.num_cached_tokens,
                 "ttft_s": getattr(metrics, "first_token_latency", None),

@@ -44,7 +44,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from semanticache_rag.cache import ModelSpec
-from semanticache_rag.served import PrefixCache, ServedPrefix, ServeError, document_salt, requested_entry, slots
+from semanticache_rag.errors import ConfigError
+from semanticache_rag.rotation import config_frequencies
+from semanticache_rag.served import (
+    PrefixCache,
+    ServedPrefix,
+    ServeError,
+    document_salt,
+    requested_entry,
+    requests_compact,
+    slots,
+)
 from semanticache_rag.store_entries import default_directory
 
 logger = logging.getLogger(__name__)
@@ -54,13 +64,16 @@ __all__ = ["SemantiCacheConnector", "SemantiCacheConnectorMetadata"]
 
 @dataclass
 class _Load:
-    """Write tokens ``start .. end - 1`` of stored cache ``entry_id`` into a request's blocks."""
+    """Write tokens ``start .. end - 1`` of stored cache ``entry_id`` into a request's blocks
+    (``compact``: its slots at compact positions; ``fail``: report the blocks as failed instead)."""
 
     request_id: str
     entry_id: str
     start: int
     end: int
     block_ids: list[int] = field(default_factory=list)
+    compact: bool = False
+    fail: str | None = None
 
 
 @dataclass
@@ -68,6 +81,16 @@ class SemantiCacheConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the worker each step: the loads to do before the forward pass."""
 
     loads: list[_Load] = field(default_factory=list)
+
+
+def _plain_rope(model_config, num_layers: int) -> list[torch.Tensor] | None:
+    """The serving model's rotary frequencies per layer, for compact caches; ``None`` when its RoPE is
+    not plain (compact requests then fail with that reason)."""
+    try:
+        return [config_frequencies(model_config.hf_config)] * num_layers
+    except (ConfigError, AttributeError, TypeError) as exc:
+        logger.info("compact caches cannot be served with this model: %s", exc)
+        return None
 
 
 class SemantiCacheConnector(KVConnectorBase_V1):
@@ -91,7 +114,12 @@ class SemantiCacheConnector(KVConnectorBase_V1):
             dtype=model.dtype,
             device=torch.device("cpu"),
         )
-        self._prefixes = PrefixCache(directory, spec)
+        self._prefixes = PrefixCache(directory, spec, inv_freqs=_plain_rope(model, spec.num_layers))
+        if self._kv_transfer_config.kv_load_failure_policy != "fail":
+            raise ValueError(
+                "SemantiCacheConnector needs kv_load_failure_policy='fail' (vLLM's default): a compact request "
+                "whose cache cannot be loaded must fail, not be computed from its stand-in prompt"
+            )
         self._block_size = vllm_config.cache_config.block_size
         self._salted = bool(vllm_config.cache_config.enable_prefix_caching)
         self._pending: dict[str, _Load] = {}
@@ -106,36 +134,49 @@ class SemantiCacheConnector(KVConnectorBase_V1):
             self._warned.add((entry_id, reason))
             logger.warning("stored cache %s not used, the prompt is computed as usual: %s", entry_id[:12], reason)
 
-    def _prefix(self, request) -> ServedPrefix | None:
-        """The stored prefix ``request`` asks for and may be served from, or ``None``."""
-        entry_id = requested_entry(getattr(request, "kv_transfer_params", None))
+    def _prefix(self, request) -> ServedPrefix | str | None:
+        """The stored prefix ``request`` asks for and may be served from; ``None`` when it names none;
+        why not, when it cannot be served."""
+        params = getattr(request, "kv_transfer_params", None)
+        entry_id = requested_entry(params)
         if entry_id is None:
             return None
-        if self._salted and getattr(request, "cache_salt", None) != document_salt(entry_id):
-            self._warn(entry_id, f"the request lacks cache_salt={document_salt(entry_id)!r} (prefix caching is on)")
-            return None
+        compact = requests_compact(params)
+        salt = document_salt(entry_id, compact)
+        if self._salted and getattr(request, "cache_salt", None) != salt:
+            return f"the request lacks cache_salt={salt!r} (prefix caching is on)"
         try:
-            prefix = self._prefixes.get(entry_id)
+            prefix = self._prefixes.get(entry_id, compact)
         except ServeError as exc:
-            self._warn(entry_id, str(exc))
-            return None
+            return str(exc)
         if not prefix.matches(request.prompt_token_ids or []):
-            self._warn(entry_id, f"the prompt does not start with the cache's {len(prefix.prefix_ids)} prefix tokens")
-            return None
+            return f"the prompt does not start with the cache's {len(prefix.prefix_ids)} prefix tokens"
         return prefix
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prefix = self._prefix(request)
+        if isinstance(prefix, ServedPrefix):
+            return max(0, len(prefix.prefix_ids) - num_computed_tokens), False
         if prefix is None:
             return 0, False
-        return max(0, len(prefix.prefix_ids) - num_computed_tokens), False
+        entry_id = requested_entry(request.kv_transfer_params)
+        if not requests_compact(request.kv_transfer_params):
+            self._warn(entry_id, prefix)  # type: ignore[arg-type]
+            return 0, False  # the prompt holds the whole document: vLLM computes it
+        # A compact prompt stands in for the document: computed as usual it would answer from its first
+        # tokens only. Claim it and fail the load, so the request ends with an error.
+        logger.warning("compact request %s fails: stored cache %s: %s", request.request_id, entry_id[:12], prefix)  # type: ignore[index]
+        self._pending[request.request_id] = _Load(request.request_id, entry_id, 0, 0, compact=True, fail=prefix)  # type: ignore[arg-type]
+        return max(0, len(request.prompt_token_ids or []) - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0 or request.request_id in self._pending:  # a failing load is already pending
             return
         entry_id = requested_entry(request.kv_transfer_params)
-        end = len(self._prefixes.get(entry_id).prefix_ids)  # type: ignore[arg-type]  # checked by _prefix
-        self._pending[request.request_id] = _Load(request.request_id, entry_id, end - num_external_tokens, end)  # type: ignore[arg-type]
+        compact = requests_compact(request.kv_transfer_params)
+        end = len(self._prefixes.get(entry_id, compact).prefix_ids)  # type: ignore[arg-type]  # checked by _prefix
+        load = _Load(request.request_id, entry_id, end - num_external_tokens, end, compact=compact)  # type: ignore[arg-type]
+        self._pending[request.request_id] = load
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = SemantiCacheConnectorMetadata()
@@ -174,16 +215,19 @@ class SemantiCacheConnector(KVConnectorBase_V1):
         }
         for load in meta.loads:
             try:
-                prefix = self._prefixes.get(load.entry_id)
-            except ServeError as exc:  # gone or damaged since the scheduler checked it: vLLM recomputes
-                logger.warning(
-                    "stored cache %s failed to load (%s); its tokens are recomputed", load.entry_id[:12], exc
-                )
+                if load.fail:
+                    raise ServeError(load.fail)
+                prefix = self._prefixes.get(load.entry_id, load.compact)
+                if load.compact and not all(hasattr(layer.impl, "write_log_sizes") for layer in layers.values()):
+                    raise ServeError("vLLM's attention backend is not SemantiCache's (its plugin is not loaded)")
+            except ServeError as exc:  # gone or damaged since the scheduler checked it: the request fails
+                logger.warning("stored cache %s failed to load (%s)", load.entry_id[:12], exc)
                 self._failed_blocks.update(load.block_ids)
                 continue
             where = slots(load.block_ids, self._block_size, load.start, load.end)
             for name, layer in layers.items():
-                keys, values = prefix.layers[extract_layer_index(name)]
+                index = extract_layer_index(name)
+                keys, values = prefix.layers[index]
                 kv_cache = layer.kv_cache
                 if isinstance(kv_cache, (list, tuple)):  # one per virtual engine in older versions
                     kv_cache = kv_cache[forward_context.virtual_engine]
@@ -191,6 +235,8 @@ class SemantiCacheConnector(KVConnectorBase_V1):
                 layer.impl.do_kv_cache_update(
                     layer, keys[part].to(kv_cache.dtype), values[part].to(kv_cache.dtype), kv_cache, where
                 )
+                if prefix.log_sizes is not None:
+                    layer.impl.write_log_sizes(kv_cache, where, prefix.log_sizes[index][part])
             self.served_tokens += load.end - load.start
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -41,26 +41,38 @@ def expand_layer(layer, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     ExpansionError
         A KV head whose entries do not stand for exactly ``tokens`` tokens.
     """
+    check_fixed_layers([layer], tokens)
     keys, values, sizes = layer.keys, layer.values, layer.sizes
     if sizes is None:
-        if keys.shape[2] != tokens:
-            raise ExpansionError(
-                f"the layer keeps {keys.shape[2]} entries of single tokens for a prefix of {tokens}: tokens were "
-                "dropped (an evicting compressor such as streaming_llm), so no copies reproduce its attention"
-            )
         return keys, values
     counts = sizes[0].long()  # (H_kv, L); 0 marks padding
-    totals = counts.sum(-1)
-    if bool((totals != tokens).any()):
-        raise ExpansionError(
-            f"the layer's heads stand for {sorted(set(totals.tolist()))} tokens, not the prefix's {tokens}: "
-            "a cache that dropped tokens cannot be expanded"
-        )
 
     def expand(tensor: torch.Tensor) -> torch.Tensor:  # heads may differ in entries, not in tokens
         return torch.stack([torch.repeat_interleave(tensor[0, h], counts[h], dim=0) for h in range(len(counts))])[None]
 
     return expand(keys), expand(values)
+
+
+def check_fixed_layers(layers, tokens: int) -> None:
+    """Raise :class:`ExpansionError` unless every KV head of every layer stands for exactly ``tokens`` tokens."""
+    for layer in layers:
+        sizes = getattr(layer, "sizes", None)
+        if sizes is None:
+            source = getattr(layer, "source", layer)  # a shared layer's storage
+            shape = source.key_code.shape if hasattr(source, "key_code") else source.keys.shape  # coded: not decoded
+            entries = shape[2]
+            if entries != tokens:
+                raise ExpansionError(
+                    f"the layer keeps {entries} entries of single tokens for a prefix of {tokens}: tokens "
+                    "were dropped (an evicting compressor such as streaming_llm), so no copies reproduce its attention"
+                )
+            continue
+        totals = sizes[0].long().sum(-1)
+        if bool((totals != tokens).any()):
+            raise ExpansionError(
+                f"the layer's heads stand for {sorted(set(totals.tolist()))} tokens, not the prefix's {tokens}: "
+                "a cache that dropped tokens cannot be expanded"
+            )
 
 
 def expand_cache(cache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -119,20 +131,33 @@ def compact_cache(cache, inv_freqs: list[torch.Tensor]):
     """
     from dataclasses import replace
 
+    _check_fixed(cache)
+    layers = compact_layers(cache.layers, cache.length, inv_freqs)
+    return replace(cache, layers=layers, next_position=layers[0].keys.shape[2])
+
+
+def compact_layers(layers, tokens: int, inv_freqs: list[torch.Tensor]) -> tuple:
+    """:func:`compact_cache`'s layers for a cache's ``layers`` over a prefix of ``tokens`` tokens:
+    plain :class:`~semanticache_rag.kv.LayerKV` (coded layers decoded) of ``P`` entries each, with
+    their sizes (0 for padding)."""
     from semanticache_rag.kv import LayerKV
     from semanticache_rag.rotation import rotate_keys
 
-    _check_fixed(cache)
-    slots = max(int(_entries_per_head(layer).max()) for layer in cache.layers)
-    layers = []
-    for layer, inv_freq in zip(cache.layers, inv_freqs, strict=True):
+    slots = compact_slots(layers)
+    compact = []
+    for layer, inv_freq in zip(layers, inv_freqs, strict=True):
         keys, values = layer.keys, layer.values
         sizes = layer.sizes if layer.sizes is not None else torch.ones(keys.shape[:3], dtype=torch.int32)
         pad = slots - keys.shape[2]
         keys, values = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (keys, values))
         sizes = torch.nn.functional.pad(sizes, (0, pad))  # padding: size 0
-        layers.append(LayerKV(rotate_keys(keys, slots - cache.length, inv_freq), values, sizes))
-    return replace(cache, layers=tuple(layers), next_position=slots)
+        compact.append(LayerKV(rotate_keys(keys, slots - tokens, inv_freq), values, sizes))
+    return tuple(compact)
+
+
+def compact_slots(layers) -> int:
+    """``P``, the slots per head of a cache's ``layers`` at compact positions (the most entries any head keeps)."""
+    return max(int(_entries_per_head(layer).max()) for layer in layers)
 
 
 def _entries_per_head(layer) -> torch.Tensor:

@@ -58,6 +58,28 @@ def rope_frequencies(model: torch.nn.Module) -> list[torch.Tensor]:
     raise ConfigError(f"cannot read the rotary frequencies of {type(model).__name__}")
 
 
+def config_frequencies(config) -> torch.Tensor:
+    """The rotary inverse frequencies (D / 2,) float32 of a model with plain RoPE, from its config alone
+    (an engine of another framework holds no transformers model: vLLM's workers).
+
+    Raises
+    ------
+    ConfigError
+        Scaled or per-layer rotary embeddings (read those from the model: :func:`rope_frequencies`).
+    """
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    if rope_type != "default" or theta is None or getattr(config, "layer_types", None) is not None:
+        raise ConfigError(
+            f"{type(config).__name__} uses {rope_type!r} rotary embeddings with rope_theta={theta!r}; compact "
+            "positions are read from the config for plain RoPE only"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    return 1.0 / (float(theta) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """``keys`` (1, H, L, D), rotated at positions ``p``, as if they had been at ``p + delta``.
 

@@ -29,27 +29,38 @@ import torch
 
 from semanticache_rag.cache import ModelSpec
 from semanticache_rag.errors import ConfigError, SemantiCacheError
-from semanticache_rag.expansion import expand_layer
+from semanticache_rag.expansion import check_fixed_layers, compact_layers, expand_layer
 from semanticache_rag.store_entries import entry_paths
 from semanticache_rag.store_format import FORMAT_NAME, FORMAT_VERSION, EntryRejected, load_layers
 
 DOCUMENT_FIELD = "semanticache_document"
+COMPACT_FIELD = "semanticache_compact"
 SALT_PREFIX = "semanticache:"
+COMPACT_SALT_PREFIX = "semanticache-compact:"  # compact blocks hold other keys than the same prompt's plain ones
 
 
 class ServeError(SemantiCacheError):
     """A stored cache that cannot serve a request (missing, damaged, of another model, or without a plain form)."""
 
 
-def document_salt(entry_id: str) -> str:
-    """The ``cache_salt`` of requests served from stored cache ``entry_id``."""
-    return SALT_PREFIX + entry_id
+def document_salt(entry_id: str, compact: bool = False) -> str:
+    """The ``cache_salt`` of requests served from stored cache ``entry_id`` (expanded, or ``compact``)."""
+    return (COMPACT_SALT_PREFIX if compact else SALT_PREFIX) + entry_id
 
 
-def request_fields(entry_id: str) -> dict:
+def request_fields(entry_id: str, compact: bool = False) -> dict:
     """Fields to add to an OpenAI-style request body (``extra_body=...`` with the ``openai`` client or
-    LangChain's ``ChatOpenAI``) to answer it from stored cache ``entry_id``."""
-    return {"kv_transfer_params": {DOCUMENT_FIELD: entry_id}, "cache_salt": document_salt(entry_id)}
+    LangChain's ``ChatOpenAI``) to answer it from stored cache ``entry_id``; ``compact``: the cache
+    stays compressed in the engine (its prompt is :func:`served_request`'s with ``compact=True``)."""
+    params: dict = {DOCUMENT_FIELD: entry_id}
+    if compact:
+        params[COMPACT_FIELD] = True
+    return {"kv_transfer_params": params, "cache_salt": document_salt(entry_id, compact)}
+
+
+def requests_compact(kv_transfer_params) -> bool:
+    """Whether a request asks for a stored cache at compact positions (kept compressed)."""
+    return isinstance(kv_transfer_params, dict) and kv_transfer_params.get(COMPACT_FIELD) is True
 
 
 def requested_entry(kv_transfer_params) -> str | None:
@@ -60,18 +71,27 @@ def requested_entry(kv_transfer_params) -> str | None:
     return entry_id if isinstance(entry_id, str) else None
 
 
-def served_request(engine, cache, question: str) -> dict:
+def served_request(engine, cache, question: str, compact: bool = False) -> dict:
     """The body fields of a completion request that vLLM with the connector answers from ``cache``'s
     stored entry as ``engine`` would: ``prompt`` (the cache's prefix tokens, then the question's), the
     cache's id in ``kv_transfer_params`` and its ``cache_salt``. ``engine`` must keep a store (the
-    one vLLM's connector reads) and ``cache`` must be one ``engine.read`` returned."""
+    one vLLM's connector reads) and ``cache`` must be one ``engine.read`` returned.
+
+    ``compact``: the cache is kept compressed in vLLM, one slot per entry
+    (:func:`~semanticache_rag.expansion.compact_cache`); the prompt starts with as many tokens as
+    it has slots (the prefix's first ones: the connector writes the cache over them), so the
+    question's positions follow the slots."""
+    from semanticache_rag.expansion import compact_slots
     from semanticache_rag.prompts import Turn
 
     if engine.store is None:
         raise ConfigError("the engine keeps no store: Engine(..., store=DocumentStore(DIR)), the directory vLLM reads")
     entry_id = engine.store.key(engine, cache.document).id
     tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
-    return {"prompt": cache.prefix_ids.tolist() + tail, **request_fields(entry_id)}
+    prefix = cache.prefix_ids.tolist()
+    if compact:
+        prefix = prefix[: compact_slots(cache.layers)]
+    return {"prompt": prefix + tail, **request_fields(entry_id, compact)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,11 +106,15 @@ class ServedPrefix:
     layers : tuple of (keys, values)
         Per decoder layer, (N, H_kv, D) each: one row per prefix token, token-major as paged
         caches write them.
+    log_sizes : tuple of Tensor or None
+        At compact positions, per decoder layer (P, H_kv) float32: ``log s`` of each slot's entry
+        (``-inf`` for padding); ``prefix_ids`` are then the first ``P`` prefix tokens, the slots.
     """
 
     entry_id: str
     prefix_ids: tuple[int, ...]
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    log_sizes: tuple[torch.Tensor, ...] | None = None
 
     def matches(self, prompt_ids) -> bool:
         """Whether a prompt starts with this prefix and has at least one token after it (the engine
@@ -99,9 +123,12 @@ class ServedPrefix:
         return len(prompt_ids) > count and tuple(prompt_ids[:count]) == self.prefix_ids
 
 
-def load_prefix(directory: str | Path, entry_id: str, spec: ModelSpec) -> ServedPrefix:
+def load_prefix(
+    directory: str | Path, entry_id: str, spec: ModelSpec, inv_freqs: list[torch.Tensor] | None = None
+) -> ServedPrefix:
     """Stored cache ``entry_id`` in ``directory``, checked (checksum, format, shapes against ``spec``)
-    and expanded into ``spec.dtype`` on ``spec.device``.
+    and expanded into ``spec.dtype`` on ``spec.device``; with the model's rotary frequencies
+    ``inv_freqs`` (per layer), at compact positions instead (:func:`~semanticache_rag.expansion.compact_layers`).
 
     Raises
     ------
@@ -130,10 +157,12 @@ def load_prefix(directory: str | Path, entry_id: str, spec: ModelSpec) -> Served
     try:
         prefix_ids, layers = load_layers(manifest, tensors_path, spec)
         tokens = int(prefix_ids.numel())
+        if inv_freqs is not None:
+            return _compact_prefix(entry_id, prefix_ids, layers, inv_freqs, spec)
         expanded = []
         for layer in layers:
             keys, values = expand_layer(layer, tokens)
-            expanded.append(tuple(x[0].transpose(0, 1).to(spec.dtype).contiguous() for x in (keys, values)))
+            expanded.append(_token_major(keys, values, spec))
     except (EntryRejected, FileNotFoundError) as exc:
         raise ServeError(f"stored cache {entry_id[:12]} is damaged or of another model: {exc}") from exc
     except SemantiCacheError as exc:  # ExpansionError: a cache that dropped tokens
@@ -141,25 +170,46 @@ def load_prefix(directory: str | Path, entry_id: str, spec: ModelSpec) -> Served
     return ServedPrefix(entry_id, tuple(prefix_ids.tolist()), tuple(expanded))  # type: ignore[arg-type]
 
 
+def _token_major(keys: torch.Tensor, values: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, H_kv, L, D) keys and values as paged caches write them: (L, H_kv, D) in ``spec.dtype``."""
+    return keys[0].transpose(0, 1).to(spec.dtype).contiguous(), values[0].transpose(0, 1).to(spec.dtype).contiguous()
+
+
+def _compact_prefix(entry_id: str, prefix_ids: torch.Tensor, layers, inv_freqs, spec: ModelSpec) -> ServedPrefix:
+    """A stored cache at compact positions (:func:`load_prefix` with ``inv_freqs``)."""
+    check_fixed_layers(layers, int(prefix_ids.numel()))
+    compact = compact_layers(layers, int(prefix_ids.numel()), inv_freqs)
+    slots = compact[0].keys.shape[2]
+    log_sizes = tuple(layer.sizes[0].float().log().transpose(0, 1).contiguous() for layer in compact)
+    parts = tuple(_token_major(layer.keys, layer.values, spec) for layer in compact)
+    return ServedPrefix(entry_id, tuple(prefix_ids[:slots].tolist()), parts, log_sizes)
+
+
 class PrefixCache:
     """The last few :class:`ServedPrefix` loaded, by entry id (a process serves the same documents
     again and again); ``capacity`` entries, least recently used forgotten."""
 
-    def __init__(self, directory: str | Path, spec: ModelSpec, capacity: int = 4):
-        self.directory, self.spec, self.capacity = Path(directory), spec, capacity
-        self._entries: OrderedDict[str, ServedPrefix] = OrderedDict()
+    def __init__(
+        self, directory: str | Path, spec: ModelSpec, capacity: int = 4, inv_freqs: list[torch.Tensor] | None = None
+    ):
+        self.directory, self.spec, self.capacity, self.inv_freqs = Path(directory), spec, capacity, inv_freqs
+        self._entries: OrderedDict[tuple[str, bool], ServedPrefix] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, entry_id: str) -> ServedPrefix:
-        """The prefix of ``entry_id``; raises :class:`ServeError` as :func:`load_prefix`."""
+    def get(self, entry_id: str, compact: bool = False) -> ServedPrefix:
+        """The prefix of ``entry_id`` (at compact positions with ``compact``, which needs the
+        model's ``inv_freqs``); raises :class:`ServeError` as :func:`load_prefix`."""
+        if compact and self.inv_freqs is None:
+            raise ServeError("compact positions need the model's plain RoPE frequencies, which this server lacks")
+        key = (entry_id, compact)
         with self._lock:
-            found = self._entries.get(entry_id)
+            found = self._entries.get(key)
             if found is not None:
-                self._entries.move_to_end(entry_id)
+                self._entries.move_to_end(key)
                 return found
-        prefix = load_prefix(self.directory, entry_id, self.spec)
+        prefix = load_prefix(self.directory, entry_id, self.spec, self.inv_freqs if compact else None)
         with self._lock:
-            self._entries[entry_id] = prefix
+            self._entries[key] = prefix
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         return prefix

@@ -119,3 +119,47 @@ def test_slots_follow_the_request_blocks():
     assert slots([7, 2, 9], 4, 5, 7).tolist() == [9, 10]
     with pytest.raises(ValueError, match="do not fit"):
         slots([7], 4, 0, 5)
+
+
+@pytest.mark.parametrize(
+    "compressor", [SemantiCacheCompressor(0.75), KaizenCompressor(0.9, inner="semanticache")], ids=["sc", "auto"]
+)
+def test_a_compact_prefix_is_the_compact_cache_with_its_log_sizes(stored, tiny_tokenizer, compressor):
+    """Tier 2: one slot per entry (P < N), keys turned as compact_cache turns them, log s per slot
+    (-inf for padding), the prompt's first P tokens standing for the slots."""
+    from semanticache_rag.expansion import compact_cache
+    from semanticache_rag.prompts import Turn
+    from semanticache_rag.rotation import config_frequencies
+    from semanticache_rag.served import served_request
+
+    engine, directory, read = stored
+    cache, entry_id = read(compressor)
+    inv_freqs = [config_frequencies(engine.model.config)] * engine.spec.num_layers
+    prefix = load_prefix(directory, entry_id, engine.spec, inv_freqs)
+    want = compact_cache(cache, engine.rope_frequencies)
+    slots_ = want.positions
+    assert slots_ < cache.length and prefix.prefix_ids == tuple(cache.prefix_ids[:slots_].tolist())
+    for (keys, values), log_sizes, layer in zip(prefix.layers, prefix.log_sizes, want.layers, strict=True):
+        torch.testing.assert_close(keys, layer.keys[0].transpose(0, 1), rtol=0, atol=1e-6)
+        torch.testing.assert_close(values, layer.values[0].transpose(0, 1), rtol=0, atol=1e-6)
+        assert torch.equal(log_sizes, layer.sizes[0].float().log().T)
+    assert float(torch.stack(prefix.log_sizes).max()) > 0  # merged cores
+    body = served_request(engine, cache, "Who may copy it?", compact=True)
+    tail = tiny_tokenizer(engine.prompt.tail([Turn("Who may copy it?")]), add_special_tokens=False)["input_ids"]
+    assert body["prompt"] == list(prefix.prefix_ids) + tail
+    assert body["kv_transfer_params"] == {"semanticache_document": entry_id, "semanticache_compact": True}
+    assert body["cache_salt"] == document_salt(entry_id, compact=True) != document_salt(entry_id)
+    kept = PrefixCache(directory, engine.spec)  # no rotary frequencies: compact requests cannot be served
+    with pytest.raises(ServeError, match="plain RoPE"):
+        kept.get(entry_id, compact=True)
+    assert kept.get(entry_id).log_sizes is None
+
+
+def test_config_frequencies_are_the_models_and_scaled_rope_is_refused(tiny_llama):
+    from semanticache_rag.rotation import config_frequencies, rope_frequencies
+
+    torch.testing.assert_close(config_frequencies(tiny_llama.config), rope_frequencies(tiny_llama)[0], rtol=1e-6, atol=0)
+    config = type(tiny_llama.config).from_dict(tiny_llama.config.to_dict())
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ConfigError, match="plain RoPE"):
+        config_frequencies(config)

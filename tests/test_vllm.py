@@ -169,3 +169,39 @@ def test_vllm_serve_answers_openai_clients_from_the_stored_cache(served, tmp_pat
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_vllm_keeps_compressed_caches_compressed(served, tmp_path):
+    """Tier 2: a compact request puts one slot per core into vLLM's paged cache (its log s in the
+    attention backend's side table) and gets our engine's answer from the cache at its own positions;
+    a compact request that cannot be served fails instead of being computed from its stand-in prompt."""
+    from semanticache_rag.expansion import compact_slots
+    from semanticache_rag.served import served_request
+
+    model_dir, store_dir, engine, caches, damaged = served
+    names = ("semanticache-0.5", "semanticache-0.75", "kaizen-0.75")
+    expected = {name: greedy(engine, caches[name][0]) for name in names}
+    requests = []
+    for name in names:
+        body = served_request(engine, caches[name][0], QUESTION, compact=True)
+        requests.append({"prompt_ids": body["prompt"], "entry": caches[name][1], "compact": True, "max_tokens": STEPS})
+    stand_in = requests[1]["prompt_ids"]
+    requests += [
+        {"prompt_ids": stand_in, "entry": "0" * 64, "compact": True, "max_tokens": STEPS},  # no such cache
+        {"prompt_ids": stand_in, "entry": damaged, "compact": True, "max_tokens": STEPS},  # fails its checksum
+        {"prompt_ids": stand_in, "entry": caches["semanticache-0.75"][1], "compact": True, "salt": False},
+    ]
+    result = run_vllm(tmp_path, model_dir, store_dir, requests)
+    outputs = result["outputs"]
+    (tmp_path / "vllm.json").write_text(json.dumps({"expected": expected, "result": result}))
+    for name, out in zip(names, outputs):
+        cache = caches[name][0]
+        slots = compact_slots(cache.layers)
+        assert out["num_cached_tokens"] == slots, name  # P slots in vLLM's cache, not the document's N tokens
+        if name.startswith("semanticache"):
+            assert slots < 0.6 * cache.length, name
+        assert out["token_ids"] == expected[name][0], name
+        torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(expected[name][1]), rtol=0, atol=2e-3)
+    for out in outputs[len(names) :]:
+        assert out["token_ids"] == [] and out["finish_reason"] not in ("length", "stop"), out
+    assert (store_dir / f"{damaged}.safetensors").exists()
