@@ -6,10 +6,12 @@ compression, SemantiCache 0.75, auto at 0.75). Then, in vLLM's venv (``benchmark
 one engine with the connector:
 
 - **Answers**: each document's question through the connector from each stored cache, greedy, in
-  fp32: the generated tokens against our engine's from the same cache.
+  fp32: the generated tokens against our engine's from the same cache; for the compressed caches
+  also kept compressed in vLLM (Tier 2, ``compact``: one paged-cache slot per core, ``log s`` in
+  the attention backend's side table).
 - **Load**: 1, 4 and 16 concurrent requests spread over the documents, each its own document's
   question, submitted together; stock (vLLM prefills the whole prompt) vs the connector (the
-  document's tokens come from the store). vLLM's automatic prefix caching is off for this part,
+  document's tokens come from the store, expanded; or compact). vLLM's automatic prefix caching is off for this part,
   so every request is a first question about its document (as after a restart, on another
   replica, or once the prefix cache has evicted it); with it on, stock vLLM re-reads each
   document once per server and keeps it in its own KV memory. Time to first token (vLLM's own
@@ -43,7 +45,14 @@ DOCUMENTS = (
     ("Apache-2.0", "The special magic number for the red lighthouse is 2864019.", "the red lighthouse"),
     ("MPL-2.0", "The special magic number for the green valley is 5190273.", "the green valley"),
 )
-CACHES = (("none", None), ("semanticache", 0.75), ("auto", 0.75))
+# (how vLLM gets the document, which stored cache): its own prefill; the connector expanding it; compact
+LOAD_MODES = (
+    ("stock", "none"),
+    ("connector", "none"),
+    ("connector", "semanticache 0.75"),
+    ("compact", "semanticache 0.75"),
+)
+CACHES = (("none", None), ("semanticache", 0.75), ("auto", 0.75), ("auto", 0.9))
 
 
 def document(tokenizer, name: str, fact: str, tokens: int) -> str:
@@ -90,32 +99,37 @@ def main() -> None:
             engine.compressor = NoCompression() if ratio is None else make_compressor(cache_name, ratio)
             cache = engine.read(text, progress=False)
             body = served_request(engine, cache, question)  # our prompt tokens and the stored entry's id
+            compact = served_request(engine, cache, question, compact=True)["prompt"]  # Tier 2: one slot per core
             ours = decode(engine, cache, args.steps, None, question)[0]
             entry_id = requested_entry(body["kv_transfer_params"])
-            per_cache[cache_name] = (entry_id, body["prompt"], ours, cache.nbytes)
+            label = cache_name if ratio is None else f"{cache_name} {ratio}"
+            per_cache[label] = (entry_id, body["prompt"], ours, cache.nbytes, compact)
         docs.append(per_cache)
     read_s = time.perf_counter() - started
     requests, batches, labels = [], [], []
 
-    def add(prompt, entry, label):
-        requests.append({"prompt_ids": prompt, "entry": entry, "max_tokens": args.steps})
+    def add(prompt, entry, compact=False):
+        requests.append({"prompt_ids": prompt, "entry": entry, "compact": compact, "max_tokens": args.steps})
         return len(requests) - 1
 
     answer_checks = []
     for d, per_cache in enumerate(docs):
-        for cache_name, (entry_id, prompt, ours, _) in per_cache.items():
-            index = add(prompt, entry_id, "answer")
-            batches.append([index])
-            answer_checks.append((d, cache_name, index, ours))
+        for cache_name, (entry_id, prompt, ours, _, compact) in per_cache.items():
+            for served_as in ("expanded", "compact") if cache_name != "none" else ("expanded",):
+                index = add(compact if served_as == "compact" else prompt, entry_id, served_as == "compact")
+                batches.append([index])
+                answer_checks.append((d, cache_name, served_as, index, ours))
     for concurrency in args.concurrency:
-        for mode in ("stock", "connector", "connector-semanticache"):
-            cache_name = "semanticache" if mode == "connector-semanticache" else "none"
+        for mode, cache_name in LOAD_MODES:
             batch = []
             for i in range(concurrency):
-                entry_id, prompt, _, _ = docs[i % len(docs)][cache_name]
-                batch.append(add(prompt, None if mode == "stock" else entry_id, mode))
+                entry_id, prompt, _, _, compact = docs[i % len(docs)][cache_name]
+                if mode == "compact":
+                    batch.append(add(compact, entry_id, compact=True))
+                else:
+                    batch.append(add(prompt, None if mode == "stock" else entry_id))
             batches.append(batch)
-            labels.append((concurrency, mode, len(batches) - 1))
+            labels.append((concurrency, f"{mode} ({cache_name})" if mode != "stock" else mode, len(batches) - 1))
     job = {
         "model": str(model_dir),
         "store": str(store.directory),
@@ -133,10 +147,12 @@ def main() -> None:
         {
             "document": DOCUMENTS[d][0],
             "cache": cache_name,
+            "served_as": served_as,
             "same_tokens": outputs[index]["token_ids"] == ours,
             "served_tokens": outputs[index]["num_cached_tokens"],
+            "kv_slots": len(requests[index]["prompt_ids"]) + args.steps,  # vLLM's paged-cache slots at the end
         }
-        for d, cache_name, index, ours in answer_checks
+        for d, cache_name, served_as, index, ours in answer_checks
     ]
     load = []
     for concurrency, mode, b in labels:
@@ -152,6 +168,7 @@ def main() -> None:
                 "batch_s": round(result["batch_s"][b], 3),
                 "tokens_per_s": round(tokens / result["batch_s"][b], 1),
                 "served_tokens_mean": round(statistics.mean(outputs[i]["num_cached_tokens"] for i in batch), 1),
+                "kv_slots_mean": round(statistics.mean(len(requests[i]["prompt_ids"]) + args.steps for i in batch), 1),
             }
         )
     report = {
@@ -162,7 +179,7 @@ def main() -> None:
         "steps": args.steps,
         "our_read_and_store_s": round(read_s, 1),
         "vllm_startup_s": round(result["startup_s"], 1),
-        "cache_mib": {name: round(docs[0][name][3] / 2**20, 1) for name, _ in CACHES},
+        "cache_mib": {name: round(entry[3] / 2**20, 1) for name, entry in docs[0].items()},
         "answers": answers,
         "load": load,
     }
@@ -173,23 +190,35 @@ def main() -> None:
 
 
 def markdown(report: dict) -> str:
-    same = sum(a["same_tokens"] for a in report["answers"])
     lines = [
         f"vLLM {report['vllm_version']} (CPU, {report['dtype']}), default model, documents of "
         f"{report['document_tokens']} tokens, {report['steps']} tokens per answer; prefix caching off.",
         "",
-        f"Answers through the connector equal to our engine's: {same}/{len(report['answers'])} "
-        "(3 documents x no compression, SemantiCache 0.75, auto 0.75).",
+        "Answers through the connector against our engine's from the same stored cache (3 documents each):",
+        "",
+        "| stored cache | served as | same tokens | prompt tokens served | vLLM KV slots per request |",
+        "|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for answer in report["answers"]:
+        groups.setdefault((answer["cache"], answer["served_as"]), []).append(answer)
+    for (cache, served_as), rows in groups.items():
+        same = sum(r["same_tokens"] for r in rows)
+        served = round(statistics.mean(r["served_tokens"] for r in rows))
+        slots = round(statistics.mean(r["kv_slots"] for r in rows))
+        lines.append(f"| {cache} | {served_as} | {same}/{len(rows)} | {served} | {slots} |")
+    lines += [
         "",
         report["environment"],
         "",
-        "| concurrent | mode | TTFT median (s) | TTFT max (s) | batch (s) | tokens/s | prompt tokens served |",
-        "|---|---|---|---|---|---|---|",
+        "| concurrent | mode | TTFT median (s) | TTFT max (s) | batch (s) | tokens/s | prompt tokens served "
+        "| KV slots |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in report["load"]:
         lines.append(
             f"| {row['concurrency']} | {row['mode']} | {row['ttft_median_s']} | {row['ttft_max_s']} | "
-            f"{row['batch_s']} | {row['tokens_per_s']} | {row['served_tokens_mean']} |"
+            f"{row['batch_s']} | {row['tokens_per_s']} | {row['served_tokens_mean']} | {row['kv_slots_mean']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -201,7 +230,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("stock", "connector", "connector-semanticache"):
+    for mode in dict.fromkeys(r["mode"] for r in report["load"]):
         rows = [r for r in report["load"] if r["mode"] == mode and r["ttft_median_s"] is not None]
         ax.plot([r["concurrency"] for r in rows], [r["ttft_median_s"] for r in rows], marker="o", label=mode)
     ax.set_xscale("log", base=2)

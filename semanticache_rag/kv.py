@@ -112,6 +112,10 @@ def _fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
     return torch.where(wrong, torch.nextafter(half, torch.full_like(half, direction)), half)
 
 
+BITS = (3, 4, 8)  # code widths of QuantizedTensor
+_THREE_BIT_SHIFTS = torch.arange(0, 24, 3, dtype=torch.int32)
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A (1, H, L, D) tensor as ``bits``-bit codes with an fp16 scale and minimum per group along D.
@@ -120,12 +124,12 @@ class QuantizedTensor:
     ``x ~ code * scale + minimum`` with ``scale = (max - min) / (2**bits - 1)``, so every element is
     within ``scale / 2`` of its value (at 8 bits that is at most ``absmax / 127 / 2``). The minimum
     is rounded down and the scale up to fp16, so the bound holds for the stored values. 4-bit
-    codes are packed two per byte (KIVI, Liu et al. 2024, https://arxiv.org/abs/2402.02750, uses
-    the same per-group layout).
+    codes are packed two per byte, 3-bit codes eight per three bytes (KIVI, Liu et al. 2024,
+    https://arxiv.org/abs/2402.02750, uses the same per-group layout).
 
     Attributes
     ----------
-    codes : Tensor (1, H, L, D) uint8, or (1, H, L, D / 2) when ``bits`` is 4
+    codes : Tensor (1, H, L, D * bits / 8) uint8
     scales, minimums : Tensor (1, H, L, D / group_size) float16
     """
 
@@ -137,8 +141,10 @@ class QuantizedTensor:
 
     @classmethod
     def encode(cls, x: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
-        if bits not in (4, 8) or x.shape[-1] % group_size or group_size % 2:
-            raise ValueError(f"bits must be 4 or 8 and an even group_size must divide {x.shape[-1]}")
+        if bits not in BITS or x.shape[-1] % group_size or group_size % 2 or (bits == 3 and x.shape[-1] % 8):
+            raise ValueError(
+                f"bits must be one of {BITS}; an even group_size (3 bits: and 8) must divide {x.shape[-1]} channels"
+            )
         levels = 2**bits - 1
         groups = x.float().unflatten(-1, (-1, group_size))  # (1, H, L, D / G, G)
         minimums = _fp16_toward(groups.amin(-1), float("-inf"))
@@ -148,12 +154,24 @@ class QuantizedTensor:
         codes = codes.to(torch.uint8).flatten(-2)
         if bits == 4:  # two codes per byte: even channels in the low nibble
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        elif bits == 3:  # eight codes in 24 bits, the first channel lowest, stored as three bytes
+            words = (codes.unflatten(-1, (-1, 8)).int() << _THREE_BIT_SHIFTS).sum(-1, dtype=torch.int32)
+            codes = torch.stack([(words >> shift) & 255 for shift in (0, 8, 16)], dim=-1).to(torch.uint8).flatten(-2)
         return cls(codes, scales, minimums, bits, x.dtype)
 
-    def decode(self) -> torch.Tensor:
+    def unpacked(self) -> torch.Tensor:
+        """The codes one per channel (1, H, L, D) uint8."""
         codes = self.codes
         if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+            return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+        if self.bits == 3:
+            triples = codes.unflatten(-1, (-1, 3)).int()
+            words = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+            return ((words[..., None] >> _THREE_BIT_SHIFTS) & 7).to(torch.uint8).flatten(-2)
+        return codes
+
+    def decode(self) -> torch.Tensor:
+        codes = self.unpacked()
         # float codes, then in-place scale and shift: 2-3x faster than addcmul on the uint8 codes
         # (which promotes element by element), with the same two roundings
         groups = codes.unflatten(-1, (self.scales.shape[-1], -1)).float()
@@ -169,14 +187,14 @@ class QuantizedTensor:
             pairs[..., 0] = self.codes & 15
             pairs[..., 1] = self.codes >> 4
         else:
-            out.copy_(self.codes)
+            out.copy_(self.unpacked())
         groups = out.unflatten(-1, (self.scales.shape[-1], -1))
         groups.mul_(self.scales[..., None]).add_(self.minimums[..., None])
         return out
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * (8 // self.bits)))
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))
 
     @property
     def device(self) -> torch.device:

@@ -38,7 +38,15 @@ from safetensors.torch import save_file
 
 from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.documents import Document
-from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
+from semanticache_rag.kv import (
+    BITS,
+    CodedLayerKV,
+    HalfTensor,
+    LayerKV,
+    LowRankTensor,
+    QuantizedTensor,
+    SharedLayerKV,
+)
 
 if TYPE_CHECKING:
     from semanticache_rag.store_key import CacheKey
@@ -199,7 +207,7 @@ def _code_from_parts(meta: dict, tensors: dict[str, torch.Tensor], prefix: str):
         if field.name == "dtype":
             kwargs["dtype"] = _DTYPES[meta["dtype"]]
         elif field.name == "bits":
-            if meta["bits"] not in (4, 8):
+            if meta["bits"] not in BITS:
                 raise EntryRejected(f"{prefix}: {meta['bits']!r}-bit codes")
             kwargs["bits"] = meta["bits"]
         else:

@@ -64,11 +64,31 @@ def test_int4_packs_two_codes_a_byte_within_half_a_step():
     assert torch.allclose(QuantizedTensor.encode(constant, 4, 8).decode(), constant, atol=1e-3)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+def test_int3_packs_eight_codes_in_three_bytes_within_half_a_step():
+    x = _kv(dim=16)
+    code = QuantizedTensor.encode(x, 3, 8)
+    groups = x.unflatten(-1, (2, 8))
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 7
+    error = (code.decode() - x).abs().unflatten(-1, (2, 8))
+    assert (error <= step / 2 * 1.002 + 1e-6).all()
+    assert code.codes.shape[-1] == 6 and code.shape == x.shape and code.nbytes == x.numel() * 3 // 8 + x.numel() // 2
+    codes = code.unpacked()  # every level 0..7 is used and comes back where it was put
+    assert set(codes.unique().tolist()) == set(range(8))
+    assert torch.equal(
+        codes.unflatten(-1, (2, 8)).float(),
+        ((groups - code.minimums.float()[..., None]) / code.scales.float()[..., None]).round().clamp(0, 7),
+    )
+    with pytest.raises(ValueError, match="3 bits"):
+        QuantizedTensor.encode(_kv(dim=12), 3, 4)  # 12 channels do not pack in eights
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3])
 def test_decoding_is_code_times_scale_plus_minimum_bit_for_bit(bits):
     """The fast in-place decode computes exactly what one fp32 multiply and one add per element give."""
     code = QuantizedTensor.encode(_kv(dim=64), bits, 32)
-    codes = code.codes if bits == 8 else torch.stack([code.codes & 15, code.codes >> 4], dim=-1).flatten(-2)
+    codes = code.unpacked()
+    if bits == 4:  # the documented packing: two codes per byte, even channels in the low nibble
+        assert torch.equal(codes, torch.stack([code.codes & 15, code.codes >> 4], dim=-1).flatten(-2))
     groups = codes.unflatten(-1, (2, 32)).float()
     want = (groups * code.scales.float()[..., None] + code.minimums.float()[..., None]).flatten(-2)
     assert torch.equal(code.decode(), want)
@@ -103,7 +123,7 @@ def test_low_rank_is_exact_at_full_rank_and_shrinks_below_it():
     assert errors[0] > errors[1] > errors[2]
 
 
-@pytest.mark.parametrize("option", ["fp", "fp16", "int8", "int4", "rank8", "rank64", "share"])
+@pytest.mark.parametrize("option", ["fp", "fp16", "int8", "int4", "int3", "rank8", "rank64", "share"])
 @pytest.mark.parametrize("sizes", [False, True])
 def test_planned_bytes_are_the_stored_bytes(option, sizes):
     keys, values = _kv(dim=16), _kv(dim=16, seed=1)
@@ -232,7 +252,7 @@ def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (dict(options=("int3",)), "'int3'"),
+        (dict(options=("int2",)), "'int2'"),
         (dict(group_size=7), "7"),
         (dict(merge_group_size=3), "3"),
         (dict(budget_bytes=-1), "-1"),

@@ -52,7 +52,7 @@ from semanticache_rag.kv import half_dtype as _half
 logger = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS = ("fp16", "int8", "int4", "rank32", "rank16", "share")
-_OPTION = re.compile(r"fp16|int8|int4|rank[1-9][0-9]*|share")
+_OPTION = re.compile(r"fp16|int8|int4|int3|rank[1-9][0-9]*|share")
 TABLE_FORMAT = 1
 _PACKAGED_TABLES = Path(__file__).resolve().parent.parent / "data"
 _NO_INNER = ("kaizen", "sekv")  # sekv keeps per-question state beside its cache
@@ -68,7 +68,7 @@ def option_nbytes(option: str, layer: LayerKV, group_size: int) -> int:
         per_tensor = elements * layer.keys.element_size()
     elif option == "fp16":
         per_tensor = elements * half
-    elif option in ("int8", "int4"):
+    elif option in ("int8", "int4", "int3"):
         per_tensor = elements * int(option[3:]) // 8 + heads * length * (dim // group_size) * 4
     else:
         rank = min(int(option[4:]), length, dim)
@@ -86,7 +86,7 @@ def encode_layer(option: str, layer: LayerKV, previous, group_size: int):
     code: Callable[[torch.Tensor], TensorCode]
     if option == "fp16":
         code = HalfTensor.encode
-    elif option in ("int8", "int4"):
+    elif option in ("int8", "int4", "int3"):
         code = functools.partial(QuantizedTensor.encode, bits=int(option[3:]), group_size=group_size)
     else:
         code = functools.partial(LowRankTensor.encode, rank=int(option[4:]))
@@ -282,7 +282,9 @@ class KaizenCompressor(Compressor):
         super().__post_init__()
         for option in self.options:
             if not isinstance(option, str) or not _OPTION.fullmatch(option):
-                raise ConfigError(f"unknown Kaizen option {option!r}; use fp16, int8, int4, rank<r> (r >= 1) or share")
+                raise ConfigError(
+                    f"unknown Kaizen option {option!r}; use fp16, int8, int4, int3, rank<r> (r >= 1) or share"
+                )
         for size in (self.group_size, self.merge_group_size):
             if size is not None and (size < 2 or size % 2):
                 raise ConfigError(f"group_size and merge_group_size must be even numbers >= 2, got {size!r}")
@@ -359,7 +361,7 @@ class KaizenCompressor(Compressor):
             return 0.0
         keys = keys_values[0][0]
         sizes = torch.ones(keys.shape[:3], dtype=torch.int16)  # what merged entries add
-        precisions: list[str] = [o for o in ("int4", "int8", "fp16") if o in self.options]
+        precisions: list[str] = [o for o in ("int3", "int4", "int8", "fp16") if o in self.options]
         lowest = option_nbytes((precisions or ["fp"])[0], LayerKV(keys, keys, sizes), group)
         tokens = keys.shape[2]  # entries the lowest precision affords, rounded down
         return max(0.0, 1 - math.floor(kept * 2 * keys.nbytes / lowest * tokens) / tokens)

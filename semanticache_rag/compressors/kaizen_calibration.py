@@ -10,6 +10,7 @@ finds by the model's name::
 
     python -m semanticache_rag.compressors.kaizen_calibration                 # default model
     python -m semanticache_rag.compressors.kaizen_calibration --model DIR --text FILE
+    python -m semanticache_rag.compressors.kaizen_calibration --options int3 --update TABLE   # one option more
 """
 
 from __future__ import annotations
@@ -105,6 +106,17 @@ def calibrate(
     }
 
 
+def merge_tables(table: dict, added: dict) -> dict:
+    """``table`` with the options measured in ``added`` (same model, layers and calibration) put in."""
+    fixed = ("format", "model", "num_layers", "kv_heads", "head_dim", "dtype", "group_size", "calibration")
+    different = [key for key in fixed if table.get(key) != added.get(key)]
+    if different:
+        raise ConfigError(f"the tables differ in {different}: calibrate every option again instead")
+    options = list(dict.fromkeys([*table["options"], *added["options"]]))
+    rows = [{**old, **new} for old, new in zip(table["sensitivity"], added["sensitivity"], strict=True)]
+    return {**table, "options": options, "sensitivity": rows}
+
+
 def save_table(table: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
@@ -118,7 +130,9 @@ def main() -> None:
     parser.add_argument("--document-tokens", type=int, default=1024)
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=None, help="table path (default: where Kaizen looks for it)")
+    parser.add_argument("--options", nargs="+", default=list(DEFAULT_OPTIONS), help="options to measure")
+    parser.add_argument("--update", type=Path, default=None, help="an existing table to add the measured options to")
+    parser.add_argument("--out", type=Path, default=None, help="table path (default: --update, or where Kaizen looks)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from semanticache_rag.engine import Engine
@@ -129,9 +143,14 @@ def main() -> None:
         args.text,
         document_tokens=args.document_tokens,
         eval_tokens=args.eval_tokens,
+        options=tuple(args.options),
         group_size=args.group_size,
     )
-    path = save_table(table, args.out or table_path(table["model"]))
+    if args.update is not None:
+        from semanticache_rag.compressors.kaizen import load_table
+
+        table = merge_tables(load_table(args.update), table)
+    path = save_table(table, args.out or args.update or table_path(table["model"]))
     logger.info("Kaizen sensitivity table for %s written to %s", table["model"], path)
 
 
