@@ -35,6 +35,7 @@ from semanticache_rag import (
     StreamingLLMCompressor,
     load_document,
 )
+from semanticache_rag.compressors.kaizen import DEFAULT_OPTIONS
 from semanticache_rag.conversation import working_cache
 from semanticache_rag.prompts import Turn
 
@@ -43,10 +44,11 @@ KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "expected_attention", "ch
 
 
 OUR_METHODS = ("full", "semanticache", "sekv", "streaming_llm", "kaizen", "kaizen+semanticache")
-# int4/int8 scales per 64 channels at every ratio, or only where the inner SemantiCache merges
+# int4/int8 scales per 64 channels at every ratio, or only where the inner SemantiCache merges; int3 allowed
 KAIZEN_ABLATIONS = {
     "kaizen+semanticache-group-64": {"group_size": 64},
     "kaizen+semanticache-merge-64": {"merge_group_size": 64},
+    "kaizen+semanticache-int3": {"options": (*DEFAULT_OPTIONS, "int3")},  # 3-bit codes: fewer entries merged
 }
 # SemantiCache's fact-keeping parts switched one at a time (the default keeps digit and surprisal
 # anchors, each with its whole word)

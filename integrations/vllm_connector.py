@@ -22,11 +22,19 @@ sections), whose prompt does not start with the cache's tokens, or that lacks th
 while vLLM's prefix cache is on (its blocks would then be found by requests that did not ask for
 an approximate cache). Each such case is logged once per cache with the reason. A cache that
 fails to load in the worker after the scheduler accepted it reports its blocks as failed loads,
-which vLLM recomputes.
+which fails the request (vLLM's default ``kv_load_failure_policy="fail"``, which the connector
+requires).
 
-Tier 1 of the design: one worker (no tensor or pipeline parallelism), models whose attention
-layers are the decoder's (Llama, Qwen2, Mistral and the like), the CPU and CUDA attention backends
-that expose ``do_kv_cache_update``.
+A request that also sets ``semanticache_compact`` keeps the cache compressed (Tier 2): its prompt
+starts with ``P`` stand-in tokens, one per slot of the cache at compact positions
+(:func:`~semanticache_rag.expansion.compact_cache`), the connector writes the cores there and
+their ``log s`` into the side table of :mod:`semanticache_rag.integrations.vllm_attention`. Such
+a prompt computed as usual would answer from the document's first ``P`` tokens, so a compact
+request that cannot be served is claimed anyway and its load failed: it ends with an error.
+
+One worker (no tensor or pipeline parallelism), models whose attention layers are the decoder's
+(Llama, Qwen2, Mistral and the like), the CPU and CUDA attention backends that expose
+``do_kv_cache_update``; compact caches on the CPU backend only, for models with plain RoPE.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ checks that the prompt starts with the cache's prefix tokens and writes the expa
 coded layers decoded) into the engine's own KV cache in place of a prefill. Attention over those
 copies is our engine's attention over the compressed cache, so the answers are ours.
 
+With ``compact=True`` the cache stays compressed in the engine: one slot per entry at compact
+positions (:func:`~semanticache_rag.expansion.compact_layers`) with each slot's ``log s``, which
+the engine's attention backend adds (:mod:`semanticache_rag.integrations.vllm_attention`); the
+prompt then starts with one stand-in token per slot.
+
 A compressed cache is an approximation: it must never serve a request that did not ask for it.
 Requests name it in ``kv_transfer_params`` and carry a ``cache_salt`` of the cache's own
 (:func:`request_fields`), so that the blocks written for them are never found by the engine's

@@ -14,7 +14,7 @@ from semanticache_rag.compressors.kaizen import (
     option_nbytes,
     select_options,
 )
-from semanticache_rag.compressors.kaizen_calibration import calibrate, save_table
+from semanticache_rag.compressors.kaizen_calibration import calibrate, merge_tables, save_table
 from semanticache_rag.kv import (
     CodedLayerKV,
     ConversationKV,
@@ -247,6 +247,14 @@ def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):
     assert cache.nbytes <= 0.4 * cache.full_nbytes
     with pytest.raises(ConfigError, match="group_size is 8, not 4"):
         engine.compress(prefill, KaizenCompressor(0.6, options=options, group_size=4, calibration=str(path)))
+    kwargs = dict(document_tokens=96, eval_tokens=16, group_size=8, progress=False)
+    added = calibrate(engine, corpus_text()[:3000], options=("int3",), **kwargs)  # one option more, measured alone
+    merged = merge_tables(table, added)
+    assert merged["options"] == [*options, "int3"]
+    assert [{k: v for k, v in row.items() if k != "int3"} for row in merged["sensitivity"]] == table["sensitivity"]
+    assert [row["int3"] for row in merged["sensitivity"]] == [row["int3"] for row in added["sensitivity"]]
+    with pytest.raises(ConfigError, match="group_size"):
+        merge_tables(table, calibrate(engine, corpus_text()[:3000], options=("int3",), **{**kwargs, "group_size": 4}))
 
 
 @pytest.mark.parametrize(

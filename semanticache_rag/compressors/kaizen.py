@@ -1,10 +1,11 @@
 """KV-Kaizen: each layer's precision, rank and depth, chosen to fit the cache in one byte budget.
 
 Per layer, the keys and values are stored as they are (``"fp"``), in 16 bits (``"fp16"``),
-quantised to 8 or 4 bits with an fp16 scale and minimum per group of ``group_size`` channels
-(``"int8"``, ``"int4"``), as a rank-``r`` factorisation per head (``"rank32"``), or not at all: the
-layer attends to the previous layer's cache (``"share"``, training-free cross-layer sharing as in
-MiniCache, Liu et al. 2024, https://arxiv.org/abs/2405.14366). Storage: :mod:`semanticache_rag.kv`.
+quantised to 8, 4 or 3 bits with an fp16 scale and minimum per group of ``group_size``
+channels (``"int8"``, ``"int4"``, ``"int3"``), as a rank-``r`` factorisation per head
+(``"rank32"``), or not at all: the layer attends to the previous layer's cache (``"share"``,
+training-free cross-layer sharing as in MiniCache, Liu et al. 2024,
+https://arxiv.org/abs/2405.14366). Storage: :mod:`semanticache_rag.kv`.
 
 The selector is calibration-based. Each option of each layer has an exact cost in bytes and a
 *sensitivity*: the KL divergence of the model's next-token distributions, full cache vs that one
@@ -244,7 +245,7 @@ class KaizenCompressor(Compressor):
     budget_bytes : int or None
         The budget in bytes, instead of a ratio.
     options : tuple of str
-        What a layer may become besides staying as it is: ``"fp16"``, ``"int8"``, ``"int4"``,
+        What a layer may become besides staying as it is: ``"fp16"``, ``"int8"``, ``"int4"``, ``"int3"``,
         ``"rank<r>"`` and ``"share"`` (use the previous layer's cache).
     group_size : int
         Channels per quantisation group (one fp16 scale and minimum each): even, and a divisor of
