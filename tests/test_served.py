@@ -158,7 +158,8 @@ def test_a_compact_prefix_is_the_compact_cache_with_its_log_sizes(stored, tiny_t
 def test_config_frequencies_are_the_models_and_scaled_rope_is_refused(tiny_llama):
     from semanticache_rag.rotation import config_frequencies, rope_frequencies
 
-    torch.testing.assert_close(config_frequencies(tiny_llama.config), rope_frequencies(tiny_llama)[0], rtol=1e-6, atol=0)
+    want = rope_frequencies(tiny_llama)[0]
+    torch.testing.assert_close(config_frequencies(tiny_llama.config), want, rtol=1e-6, atol=0)
     config = type(tiny_llama.config).from_dict(tiny_llama.config.to_dict())
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ConfigError, match="plain RoPE"):
