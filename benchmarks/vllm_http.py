@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -40,7 +41,8 @@ def start_server(python: Path, model_dir: Path, store: Path, log: Path) -> tuple
     command = [sys.executable, "-m", "semanticache_rag.cli", "vllm-serve", str(model_dir), "--store", str(store)]
     command += ["--vllm-python", str(python), "--", "--port", str(port), "--dtype", "float32"]
     command += ["--max-model-len", "4096", "--no-enable-prefix-caching"]
-    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache on CPU (else 92% of the memory)
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 900
     while True:
         if server.poll() is not None:
