@@ -381,7 +381,10 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, record, earlier: list, like
             _code_from_parts(record["values"], tensors, f"{prefix}.values"),
             sizes,
         )
-        keys, values = layer.keys, layer.values  # decoding once checks every code's tensors fit together
+        try:  # decoding once checks every code's tensors fit together
+            keys, values = layer.keys, layer.values
+        except RuntimeError as exc:  # e.g. 4-bit codes said to be 3-bit: they do not unpack
+            raise EntryRejected(f"layer {i}: its codes do not decode ({exc})") from exc
     elif kind == "plain":
         keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
     else:
