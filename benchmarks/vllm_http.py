@@ -19,7 +19,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +26,8 @@ from pathlib import Path
 
 from benchmarks.report import environment
 from benchmarks.vllm_env import ensure_vllm_env
-from benchmarks.vllm_serving import DOCUMENTS, RESULTS, document
-from semanticache_rag import DocumentStore, Engine, NoCompression, SemantiCacheCompressor
+from benchmarks.vllm_serving import DOCUMENTS, RESULTS, document, workspace
+from semanticache_rag import NoCompression, SemantiCacheCompressor
 from semanticache_rag.served import served_request
 
 MODES = ("stock", "connector", "compact")  # vLLM's prefill; the uncompressed cache expanded; SemantiCache 0.75 compact
@@ -82,12 +81,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     python = ensure_vllm_env()
-    work = Path(tempfile.mkdtemp(prefix="vllm-http-"))
-    store = DocumentStore(work / "store")
-    engine = Engine.from_pretrained(store=store)
-    model_dir = work / "model"
-    engine.model.save_pretrained(model_dir)
-    engine.tokenizer.save_pretrained(model_dir)
+    _, store, engine, model_dir = workspace("vllm-http-")
     started = time.perf_counter()
     bodies: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for name, fact, subject in DOCUMENTS:

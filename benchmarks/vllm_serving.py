@@ -65,6 +65,17 @@ def document(tokenizer, name: str, fact: str, tokens: int) -> str:
     return text[:cut] + fact + "\n" + text[cut:]
 
 
+def workspace(prefix: str) -> tuple[Path, DocumentStore, Engine, Path]:
+    """A scratch folder with a store, the default model's engine on it, and that model saved for vLLM."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    store = DocumentStore(work / "store")
+    engine = Engine.from_pretrained(store=store)
+    model_dir = work / "model"
+    engine.model.save_pretrained(model_dir)
+    engine.tokenizer.save_pretrained(model_dir)
+    return work, store, engine, model_dir
+
+
 def run_vllm(python: Path, work: Path, job: dict) -> dict:
     (work / "job.json").write_text(json.dumps(job))
     command = [str(python), str(RUNNER), str(work / "job.json"), str(work / "result.json")]
@@ -83,12 +94,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     python = ensure_vllm_env()
-    work = Path(tempfile.mkdtemp(prefix="vllm-serving-"))
-    store = DocumentStore(work / "store")
-    engine = Engine.from_pretrained(store=store)
-    model_dir = work / "model"
-    engine.model.save_pretrained(model_dir)
-    engine.tokenizer.save_pretrained(model_dir)
+    work, store, engine, model_dir = workspace("vllm-serving-")
     started = time.perf_counter()
     docs = []  # per document: {cache name: (entry id, prompt, our tokens)}
     for name, fact, subject in DOCUMENTS:
