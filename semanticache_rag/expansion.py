@@ -58,9 +58,7 @@ def check_fixed_layers(layers, tokens: int) -> None:
     for layer in layers:
         sizes = getattr(layer, "sizes", None)
         if sizes is None:
-            source = getattr(layer, "source", layer)  # a shared layer's storage
-            shape = source.key_code.shape if hasattr(source, "key_code") else source.keys.shape  # coded: not decoded
-            entries = shape[2]
+            entries = _stored_shape(layer)[2]
             if entries != tokens:
                 raise ExpansionError(
                     f"the layer keeps {entries} entries of single tokens for a prefix of {tokens}: tokens "
@@ -139,10 +137,17 @@ def compact_cache(cache, inv_freqs: list[torch.Tensor]):
 def compact_layers(layers, tokens: int, inv_freqs: list[torch.Tensor]) -> tuple:
     """:func:`compact_cache`'s layers for a cache's ``layers`` over a prefix of ``tokens`` tokens:
     plain :class:`~semanticache_rag.kv.LayerKV` (coded layers decoded) of ``P`` entries each, with
-    their sizes (0 for padding)."""
+    their sizes (0 for padding).
+
+    Raises
+    ------
+    ExpansionError
+        A KV head whose entries do not stand for exactly ``tokens`` tokens (tokens were dropped).
+    """
     from semanticache_rag.kv import LayerKV
     from semanticache_rag.rotation import rotate_keys
 
+    check_fixed_layers(layers, tokens)
     slots = compact_slots(layers)
     compact = []
     for layer, inv_freq in zip(layers, inv_freqs, strict=True):
@@ -164,5 +169,12 @@ def _entries_per_head(layer) -> torch.Tensor:
     """Real entries per KV head (H_kv,) of a document-cache layer."""
     sizes = layer.sizes
     if sizes is None:
-        return torch.full((layer.keys.shape[1],), layer.keys.shape[2])
+        _, heads, entries, _ = _stored_shape(layer)
+        return torch.full((heads,), entries)
     return (sizes[0] > 0).sum(-1)
+
+
+def _stored_shape(layer) -> torch.Size:
+    """The (1, H_kv, L, D) shape of a document-cache layer's keys, without decoding a coded layer."""
+    source = getattr(layer, "source", layer)  # a shared layer's storage
+    return source.key_code.shape if hasattr(source, "key_code") else source.keys.shape

@@ -34,7 +34,7 @@ import torch
 
 from semanticache_rag.cache import ModelSpec
 from semanticache_rag.errors import ConfigError, SemantiCacheError
-from semanticache_rag.expansion import check_fixed_layers, compact_layers, expand_layer
+from semanticache_rag.expansion import compact_layers, expand_layer
 from semanticache_rag.store_entries import entry_paths
 from semanticache_rag.store_format import FORMAT_NAME, FORMAT_VERSION, EntryRejected, load_layers
 
@@ -182,7 +182,6 @@ def _token_major(keys: torch.Tensor, values: torch.Tensor, spec: ModelSpec) -> t
 
 def _compact_prefix(entry_id: str, prefix_ids: torch.Tensor, layers, inv_freqs, spec: ModelSpec) -> ServedPrefix:
     """A stored cache at compact positions (:func:`load_prefix` with ``inv_freqs``)."""
-    check_fixed_layers(layers, int(prefix_ids.numel()))
     compact = compact_layers(layers, int(prefix_ids.numel()), inv_freqs)
     slots = compact[0].keys.shape[2]
     log_sizes = tuple(layer.sizes[0].float().log().transpose(0, 1).contiguous() for layer in compact)
