@@ -66,6 +66,132 @@ def chunk_similarity(keys: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return grid @ grid.transpose(-1, -2)
 
 
+_WORD = 64  # tokens per int64 word of a packed row
+_BYTE_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Bool (..., W) -> int64 (..., ceil(W / 64)): bit ``j % 64`` of word ``j // 64`` is ``mask[..., j]``."""
+    width = mask.shape[-1]
+    words = -(-width // _WORD)
+    padded = mask.new_zeros(*mask.shape[:-1], words * _WORD)
+    padded[..., :width] = mask
+    weights = torch.tensor(_BYTE_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    octets = padded.view(torch.uint8).unflatten(-1, (words * 8, 8)) * weights
+    return octets.sum(-1, dtype=torch.uint8).view(torch.int64)  # little-endian: byte b holds bits 8b..8b+7
+
+
+@dataclass(frozen=True, eq=False)
+class JoinTable:
+    """One layer's chunk similarity (or several layers' heads side by side), laid out for the greedy
+    loop at any tau.
+
+    Chunks are ordered longest first (step ``p`` of the loop runs over the first ``active[p]``
+    chunks). Chunks of at most 64 tokens keep each row's similarities sorted, most similar first,
+    with the packed mask of its ``r`` most similar tokens for every ``r``: the tokens that a row's
+    token takes at a threshold are one search and one lookup away, for any number of thresholds.
+    Longer chunks keep the similarity and pack the comparison at each threshold.
+    """
+
+    order: torch.Tensor  # (C,) chunks, longest first
+    active: list[int]  # chunks that have a token p, for each slot p
+    similarity: torch.Tensor  # (H, C, W, W) float32 in chunk order; negated and sorted per row when masks is set
+    masks: torch.Tensor | None  # (H, C, W, W) int64: bits of each row's r + 1 most similar tokens
+
+    @classmethod
+    def build(cls, similarity: torch.Tensor, layout: ChunkLayout) -> JoinTable:
+        """From :func:`chunk_similarity` (H, C, W, W), which it leaves as it is."""
+        device = similarity.device
+        lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
+        order = lengths.argsort(descending=True, stable=True)
+        active = (lengths[order][None, :] > torch.arange(layout.width, device=device)[:, None]).sum(1).tolist()
+        similarity = similarity[:, order].float()
+        if layout.width > _WORD:
+            return cls(order, active, similarity, None)
+        ranked, index = similarity.neg_().sort(-1)  # most similar first, and which token each is
+        torch.bitwise_left_shift(torch.ones((), dtype=index.dtype, device=device), index, out=index)
+        return cls(order, active, ranked, index.cumsum_(-1))
+
+    def joins(self, tau: torch.Tensor) -> torch.Tensor:
+        """Packed rows (W, K * H, C, words) of the tokens each row's token takes at ``tau`` (K, H)."""
+        width = self.similarity.shape[-1]
+        if self.masks is None:
+            joined = pack_rows(self.similarity[None] >= tau[..., None, None, None])  # (K, H, C, W, words)
+        else:
+            limit = (-tau).T[:, None, None].expand(-1, *self.similarity.shape[1:3], -1).contiguous()  # (H, C, W, K)
+            taken = torch.searchsorted(self.similarity, limit, right=True)  # tokens at least tau alike, per row
+            joined = self.masks.gather(-1, (taken - 1).clamp_(min=0)).masked_fill_(taken == 0, 0)
+            joined = joined.permute(3, 0, 1, 2)[..., None]  # (K, H, C, W, 1)
+        joined = joined.flatten(0, 1).permute(2, 0, 1, 3).contiguous()
+        # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
+        own = torch.arange(width, device=joined.device)
+        joined[own, ..., own // _WORD] |= torch.ones_like(own).bitwise_left_shift_(own % _WORD)[:, None, None]
+        return joined
+
+
+@dataclass(frozen=True, eq=False)
+class Clusters:
+    """The greedy clustering of R rows (thresholds x heads), kept packed until its seeds are asked for.
+
+    Attributes
+    ----------
+    counts : Tensor (R,) long
+        Clusters per row.
+    planes : Tensor (P, R, C, words) int64
+        Bit ``t`` of plane ``k`` (in the chunk order of ``table``): bit ``k`` of token ``t``'s seed slot.
+    """
+
+    counts: torch.Tensor
+    planes: torch.Tensor
+    table: JoinTable
+    layout: ChunkLayout
+    protected: torch.Tensor
+
+    def seeds(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token index of each token's seed, (R, N) or (len(rows), N) for the ``rows`` asked for."""
+        layout, device = self.layout, self.planes.device
+        planes = self.planes if rows is None else self.planes[:, rows.to(device)]
+        rank = self.table.order.argsort()[layout.token_chunk]  # each token's chunk in the longest-first order
+        word, bit = layout.token_slot // _WORD, layout.token_slot % _WORD
+        held = (planes[:, :, rank, word] >> bit) & 1  # (P, rows, N)
+        weights = 1 << torch.arange(planes.shape[0], device=device)
+        slots = torch.where(self.protected, layout.token_slot, (held * weights[:, None, None]).sum(0))
+        return layout.chunk_start[layout.token_chunk] + slots
+
+
+def greedy_clusters(table: JoinTable, layout: ChunkLayout, tau: torch.Tensor, protected: torch.Tensor) -> Clusters:
+    """Greedy Seed-based Clustering at K thresholds per head (``tau`` (K, H)) of a :class:`JoinTable`.
+
+    The loop runs on bit-packed rows: a chunk's tokens are the bits of ``ceil(W / 64)`` int64
+    words, so a step of the loop (token ``p`` of every chunk seeding a cluster) is a few word-wise
+    operations over (K * H, chunks). Each token's seed slot is kept as bit planes (plane ``k``
+    holds the tokens whose seed slot has bit ``k``), unpacked by :meth:`Clusters.seeds`.
+    """
+    device = table.order.device
+    joins = table.joins(tau.reshape(-1, table.similarity.shape[0]).to(device))  # (W, K * H, C, words)
+    free = torch.zeros(layout.num_chunks, layout.width, dtype=torch.bool, device=device)
+    free[layout.token_chunk, layout.token_slot] = ~protected
+    unassigned = pack_rows(free[table.order]).expand(joins.shape[1], -1, -1).clone()  # (K * H, C, words)
+    planes = unassigned.new_zeros(max(1, (layout.width - 1).bit_length()), *unassigned.shape)
+    seeded = unassigned.new_zeros(unassigned.shape[:2])  # clusters each chunk's free tokens seeded
+    for p, count in enumerate(table.active):
+        if count == 0:
+            break
+        # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
+        left = unassigned[:, :count]
+        word, bit = divmod(p, _WORD)
+        seeding = (left[:, :, word] >> bit).bitwise_and_(1)
+        seeded[:, :count].add_(seeding)
+        members = joins[p, :, :count].bitwise_and(left)
+        members.bitwise_and_(seeding.neg_()[..., None])  # all ones where token p is free, else 0
+        left.bitwise_xor_(members)
+        for plane in range(p.bit_length()):
+            if p >> plane & 1:
+                planes[plane, :, :count].bitwise_or_(members)
+    counts = seeded.sum(1) + int(protected.sum())
+    return Clusters(counts, planes, table, layout, protected)
+
+
 def greedy_seed_clustering(
     similarity: torch.Tensor, layout: ChunkLayout, tau: torch.Tensor, protected: torch.Tensor
 ) -> torch.Tensor:
@@ -86,35 +212,8 @@ def greedy_seed_clustering(
     Tensor (H, N) long, or (K * H, N) for K thresholds per head
         Token index of the seed of each token's cluster (a seed is its own seed).
     """
-    tau = tau.reshape(-1, similarity.shape[0])  # (K, H)
-    device = similarity.device
-    # Chunks longest first, so that step p of the greedy loop runs over the prefix of chunks that
-    # have a token p (padding slots are never free: skipping them changes nothing, and saves work).
-    lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
-    order = lengths.argsort(descending=True, stable=True)
-    active = (lengths[order][None, :] > torch.arange(layout.width, device=device)[:, None]).sum(1).tolist()
-    # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
-    eye = torch.eye(layout.width, dtype=torch.bool, device=device)
-    joins = ((similarity[:, order][None] >= tau[..., None, None, None]) | eye).flatten(0, 1)  # (K * H, C, W, W)
-    heads = joins.shape[0]
-    joins = joins.permute(2, 0, 1, 3).contiguous()  # (W, K * H, C, W): step p reads one contiguous block
-    grid_shape = (layout.num_chunks, layout.width)
-    free = torch.zeros(grid_shape, dtype=torch.bool, device=device)
-    free[layout.token_chunk, layout.token_slot] = ~protected
-    unassigned = free[order].expand(heads, *grid_shape).clone()  # (K * H, C, W)
-    seed_slot = torch.arange(layout.width, device=device).expand(heads, *grid_shape).clone()
-    for p, count in enumerate(active):
-        if count == 0:
-            break
-        # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
-        left = unassigned[:, :count]
-        members = joins[p, :, :count] & left[:, :, p, None]
-        members &= left
-        seed_slot[:, :count].masked_fill_(members, p)
-        left &= ~members
-    seed_slot = seed_slot[:, order.argsort()]
-    slots = seed_slot[:, layout.token_chunk, layout.token_slot]  # (H, N)
-    return layout.chunk_start[layout.token_chunk] + slots
+    table = JoinTable.build(similarity, layout)
+    return greedy_clusters(table, layout, tau, protected).seeds()
 
 
 def count_clusters(seeds: torch.Tensor) -> torch.Tensor:

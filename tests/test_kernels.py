@@ -182,6 +182,55 @@ def test_batched_torch_twin_sizes_sum_and_match_per_head_clustering():
     assert torch.equal(seeds[1], gsc_ref.greedy_seed_clustering(similarity, layout, tau[1], protected[1]))
 
 
+def _greedy_by_definition(similarity, chunk_ids, tau, protected):
+    """GSC as the paper states it, one head and chunk at a time in Python: (N,) seeds."""
+    seeds = list(range(len(chunk_ids)))
+    ids = chunk_ids.tolist()
+    for chunk in sorted(set(ids)):
+        members = [t for t, c in enumerate(ids) if c == chunk]
+        free = [t for t in members if not protected[t]]
+        while free:
+            seed = free.pop(0)
+            for t in list(free):
+                if similarity[seed, t] >= tau:
+                    seeds[t] = seed
+                    free.remove(t)
+    return torch.tensor(seeds)
+
+
+@pytest.mark.parametrize("longest", [9, 64, 150])  # one packed word, a full one, three (the unsorted path)
+def test_packed_greedy_clustering_matches_its_definition(longest):
+    g = torch.Generator().manual_seed(longest)
+    num_tokens, heads = 300, 2
+    keys = torch.randn(heads, 1, 8, generator=g) + 0.7 * torch.randn(heads, num_tokens, 8, generator=g)
+    keys[0, 3] = 0  # a zero key: its self-similarity is 0, below tau, and it still seeds its own cluster
+    lengths = torch.randint(1, longest + 1, (num_tokens,), generator=g)
+    chunk_ids = torch.repeat_interleave(torch.arange(num_tokens), lengths)[:num_tokens]
+    protected = torch.rand(num_tokens, generator=g) < 0.15
+    layout = gsc_ref.ChunkLayout.from_chunk_ids(chunk_ids)
+    tau = torch.tensor([[0.1, 0.3], [0.45, 0.5], [0.8, 0.9]])  # (K, H)
+    table = gsc_ref.JoinTable.build(gsc_ref.chunk_similarity(keys, layout), layout)
+    assert (table.masks is None) == (layout.width > 64)
+    clusters = gsc_ref.greedy_clusters(table, layout, tau, protected)
+    seeds = clusters.seeds()
+    unit = torch.nn.functional.normalize(keys, dim=-1)
+    for row, (k, h) in enumerate((k, h) for k in range(3) for h in range(heads)):
+        want = _greedy_by_definition(unit[h] @ unit[h].T, chunk_ids, float(tau[k, h]), protected)
+        assert torch.equal(seeds[row], want), (k, h)
+    assert torch.equal(clusters.counts, gsc_ref.count_clusters(seeds))
+    assert torch.equal(clusters.seeds(torch.tensor([5, 0])), seeds[[5, 0]])
+    assert 1 < len(set(clusters.counts.tolist()))  # the thresholds cluster differently
+
+
+def test_pack_rows_sets_one_bit_per_true_entry():
+    mask = torch.zeros(2, 130, dtype=torch.bool)
+    mask[0, [0, 63, 64, 129]] = True
+    mask[1, 5] = True
+    words = gsc_ref.pack_rows(mask)
+    assert words.shape == (2, 3) and words.dtype == torch.int64
+    assert words[0].tolist() == [1 | -(2**63), 1, 2] and words[1].tolist() == [32, 0, 0]
+
+
 # -- kernels in the interpreter (tiny odd shapes)
 
 

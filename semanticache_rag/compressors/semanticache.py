@@ -4,8 +4,10 @@ Per layer and KV head, tokens of one delimiter-closed chunk whose post-RoPE keys
 (cosine >= tau) merge into a *semantic core*: the mean key and value of the cluster, kept with
 its size ``s``; decoding adds ``log s`` to the core's attention logit (proportional attention,
 :mod:`semanticache_rag.kernels.proportional_attention_ref`). ``tau`` is found per layer and head
-by bisection so that every head keeps the same number of entries, which meets the budget
-without padding waste.
+by a search (:meth:`SemantiCacheCompressor._search_tau`) so that every head keeps its budget to
+within 0.1% (or one entry), which meets the budget with next to no padding. Layers that share a
+plan are clustered together, their heads side by side, on a bit-packed greedy loop
+(:func:`~semanticache_rag.kernels.gsc_ref.greedy_clusters`).
 
 Protected tokens stay whole: the chat-template tokens around the document, the first
 ``sink_tokens`` (attention sinks), the last ``window_tokens``, and *anchors*: tokens the model
@@ -34,9 +36,10 @@ from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
 from semanticache_rag.kernels.gsc_ref import (
     ChunkLayout,
+    JoinTable,
     chunk_similarity,
     count_clusters,
-    greedy_seed_clustering,
+    greedy_clusters,
     merge_clusters,
 )
 from semanticache_rag.kv import LayerKV
@@ -45,6 +48,14 @@ logger = logging.getLogger(__name__)
 
 _MAX_WIDTH = 512  # longest chunk coarsening may build
 _SEARCH_WAYS = 4  # tau candidates per head clustered at once in each round of the search
+_GROUP_BYTES = 32 * 2**20  # similarity grids (and their thresholded copies) of the layers clustered together
+_SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess that the search also tries
+
+
+def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> int:
+    """Bytes one layer takes while clustered on the torch grid: its (H, C, W, W) similarity, sorted
+    (float32) beside the packed masks of its rows (int64, :class:`~.gsc_ref.JoinTable`)."""
+    return keys.shape[1] * layout.num_chunks * layout.width**2 * 12
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,8 +130,9 @@ class SemantiCacheCompressor(Compressor):
         alike, the early layers; see :func:`layer_targets`); 0 keeps the same budget in every layer.
         In [-0.9, 0.9].
     search_steps : int
-        Precision of the tau search, in halvings of [-1, 1] (it tries 4 taus per head and round, so
-        the default 20 takes at most 9 rounds).
+        Precision of the tau search, in halvings of [-1, 1] (it tries 4 taus per head and round and
+        ends sooner once every head keeps its budget; at most twice the 9 rounds that an even split
+        of the default 20 halvings takes).
     backend : str
         Clustering kernel: ``"auto"`` (Triton on CUDA tensors when installed), ``"torch"`` or
         ``"triton"``; ``value_similarity`` runs on torch only.
@@ -233,69 +245,145 @@ class SemantiCacheCompressor(Compressor):
             min_length, max_length = 2 * min_length, min(_MAX_WIDTH, max(max_length, 4 * min_length))
 
     def compress(self, keys, values, context, plan: _Plan) -> LayerKV:
-        num_tokens = keys.shape[2]
-        if plan.target >= num_tokens and self.tau is None:  # ratio 0 (or a budget of the whole document)
-            return LayerKV(keys, values)
-        cluster = self._clustering(keys, values, plan)
-        if self.tau is None:
-            seeds = self._search_tau(cluster, keys.shape[1], plan)
-        else:
-            seeds = cluster(torch.full((1, keys.shape[1]), self.tau))[0]
-        core_keys, core_values, sizes = merge_clusters(keys[0], values[0], seeds)
-        dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
-        return LayerKV(core_keys[None], core_values[None], sizes.to(dtype)[None])
+        return self._compress_layers([(keys, values)], plan)[0]
 
-    def _clustering(self, keys: torch.Tensor, values: torch.Tensor, plan: _Plan):
-        """This layer's clustering, ``tau (K, H_kv) -> seeds (K, H_kv, N)``: K thresholds per head at once.
+    def compress_document(self, keys_values, context: CompressionContext) -> tuple[LayerKV, ...]:
+        """Every layer, several at a time: consecutive layers with the same plan are clustered together
+        (their heads side by side), as many as :data:`_GROUP_BYTES` of similarity grids allow, so that
+        each step of the greedy loop and each round of the tau search covers them all at once."""
+        plans = self.layer_plans(self.prepare(context), len(keys_values), context)
+        layers: list[LayerKV] = []
+        start = 0
+        while start < len(keys_values):
+            end = start + 1
+            if self.value_similarity or resolve_backend(self.backend, keys_values[start][0]) == "torch":
+                cost = _grid_bytes(keys_values[start][0], plans[start].layout)
+                while (
+                    end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * cost <= _GROUP_BYTES
+                ):
+                    end += 1
+            layers.extend(self._compress_layers(keys_values[start:end], plans[start]))
+            if context.release_layers:  # the list's references were the last ones to these layers' full KV
+                keys_values[start:end] = [None] * (end - start)
+            start = end
+        return tuple(layers)
+
+    def _compress_layers(self, keys_values, plan: _Plan) -> list[LayerKV]:
+        """Layers (keys, values) (1, H_kv, N, D) sharing ``plan``, clustered together."""
+        num_tokens = keys_values[0][0].shape[2]
+        if plan.target >= num_tokens and self.tau is None:  # ratio 0 (or a budget of the whole document)
+            return [LayerKV(keys, values) for keys, values in keys_values]
+        heads = keys_values[0][0].shape[1]
+        cluster = self._clustering(keys_values, plan)
+        if self.tau is None:
+            seeds = self._search_tau(cluster, heads * len(keys_values), plan)
+        else:
+            every = heads * len(keys_values)
+            seeds = cluster(torch.full((1, every), self.tau))[1](torch.zeros(every, dtype=torch.long))
+        dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
+        layers = []
+        for index, (keys, values) in enumerate(keys_values):
+            core_keys, core_values, sizes = merge_clusters(
+                keys[0], values[0], seeds[index * heads : (index + 1) * heads]
+            )
+            layers.append(LayerKV(core_keys[None], core_values[None], sizes.to(dtype)[None]))
+        return layers
+
+    def _clustering(self, keys_values, plan: _Plan):
+        """The clustering of layers sharing ``plan``, their H heads side by side, at K thresholds per head
+        at once: ``tau (K, H) -> (counts (K, H), pick)``, where ``pick(index (H,))`` gives the seeds
+        (H, N) of threshold ``index[h]`` for each head ``h``.
 
         The torch grid computes the similarity once for every tau, and runs the greedy loop once
         for all K (its steps cost about the same for K thresholds as for one); the Triton kernel
-        recomputes the similarity from the keys in each call and keeps no (H, C, W, W) grid in memory.
+        recomputes the similarity from the keys in each call and keeps no (H, C, W, W) grid in memory
+        (it clusters one layer at a time).
         """
+        keys = keys_values[0][0]
         device = keys.device
-        heads = keys.shape[1]
         if self.value_similarity or resolve_backend(self.backend, keys) == "torch":
             layout, protected = plan.layout.to(device), plan.protected.to(device)
-            similarity = chunk_similarity(keys[0], layout)
-            if self.value_similarity:
-                similarity = torch.minimum(similarity, chunk_similarity(values[0], layout))
-            return lambda tau: greedy_seed_clustering(similarity, layout, tau.to(device), protected).unflatten(
-                0, (-1, heads)
-            )
+            heads = keys.shape[1]
+            similarity = keys.new_empty(heads * len(keys_values), layout.num_chunks, layout.width, layout.width)
+            for index, (layer_keys, layer_values) in enumerate(keys_values):
+                grid = chunk_similarity(layer_keys[0], layout)
+                if self.value_similarity:
+                    grid = torch.minimum(grid, chunk_similarity(layer_values[0], layout))
+                similarity[index * heads : (index + 1) * heads] = grid
+            table = JoinTable.build(similarity, layout)
+            del similarity, grid
+            rows = torch.arange(table.similarity.shape[0])
+
+            def on_grid(tau):
+                clusters = greedy_clusters(table, layout, tau.to(device), protected)
+                return clusters.counts.cpu().view(tau.shape), lambda index: clusters.seeds(index * len(rows) + rows)
+
+            return on_grid
         chunk_ids, protected = plan.layout.token_chunk[None].to(device), plan.protected[None].to(device)
-        return lambda tau: torch.stack(
-            [cluster_seeds(keys, chunk_ids, row.to(device), protected, backend="triton")[0] for row in tau]
-        )
+
+        def on_triton(tau):
+            seeds = torch.stack(
+                [cluster_seeds(keys, chunk_ids, row.to(device), protected, backend="triton")[0] for row in tau]
+            )
+            counts = count_clusters(seeds.flatten(0, 1)).cpu().view(tau.shape)
+            return counts, lambda index: seeds[index.to(device), torch.arange(tau.shape[1], device=device)]
+
+        return on_triton
 
     def _search_tau(self, cluster, heads: int, plan: _Plan) -> torch.Tensor:
         """Per head, the clustering (seeds, (H, N)) at the largest tau that keeps at most ``plan.target`` entries.
 
-        A search with :data:`_SEARCH_WAYS` candidates per round, to the precision of
-        ``search_steps`` halvings of [-1, 1] (20 halvings: 9 rounds instead of 20 bisection steps),
-        ended early once every head keeps exactly its budget. The seeds of the tau found are kept
-        from the round that tried it, rather than clustered once more.
+        Each round clusters :data:`_SEARCH_WAYS` candidates per head at once and keeps the bracket
+        ``low < tau* <= high`` with the counts at both ends. The first round spreads the candidates
+        evenly; later rounds put them where the counts interpolate to the target (the guess and
+        :data:`_SPREAD` of the bracket either side of it, and the middle of the wider side left), and
+        fall back to even spacing for a head whose bracket shrank less than :data:`_SEARCH_WAYS` + 1
+        times. The search ends once every head keeps its budget to within 0.1% or one entry (at most
+        ``plan.target`` entries, at least ``max(1, plan.target // 1000)`` fewer) or its bracket is within
+        ``search_steps`` halvings of [-1, 1]. The seeds of the tau found are kept from the round that
+        tried it, rather than clustered once more.
         """
+        target, slack = plan.target, max(1, plan.target // 1000)
         low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
-        fractions = torch.arange(1, _SEARCH_WAYS + 1, dtype=torch.float32)[:, None] / (_SEARCH_WAYS + 1)
+        # At tau = -1 each chunk's first free token takes the rest of it; above 1 nothing merges.
+        free_chunks = plan.layout.token_chunk[~plan.protected].unique().numel()
+        count_low = torch.full((heads,), float(int(plan.protected.sum()) + free_chunks))
+        count_high = torch.full((heads,), float(plan.protected.numel()))
+        even = torch.arange(1, _SEARCH_WAYS + 1, dtype=torch.float32)[:, None] / (_SEARCH_WAYS + 1)
+        spread = torch.tensor([-_SPREAD, 0.0, _SPREAD])[:, None]
+        uniform = torch.ones(heads, dtype=torch.bool)  # heads whose next candidates are spread evenly
+        precision = 2.0 ** (1 - self.search_steps)
         best: torch.Tensor | None = None  # seeds at `low`, for the heads where a candidate fitted (low > -1)
-        for _ in range(math.ceil(self.search_steps * math.log(2) / math.log(_SEARCH_WAYS + 1))):
-            candidates = low + (high - low) * fractions  # (K, H), increasing along K
-            seeds = cluster(candidates)  # (K, H, N)
-            counts = count_clusters(seeds.flatten(0, 1)).cpu().view(_SEARCH_WAYS, heads)
-            fits = counts <= plan.target
+        for _ in range(2 * math.ceil(self.search_steps * math.log(2) / math.log(_SEARCH_WAYS + 1))):
+            width = high - low
+            share = ((math.log(target) - count_low.log()) / (count_high.log() - count_low.log()).clamp(min=1e-9)).clamp(
+                0, 1
+            )
+            guess = low + width * share
+            wider = torch.where(guess - low > high - guess, (low + guess) / 2, (guess + high) / 2)
+            aimed = torch.cat([guess + width * spread, wider[None]]).sort(0).values
+            aimed = aimed.clamp(low + width / 64, high - width / 64)
+            candidates = torch.where(uniform, low + width * even, aimed)  # (K, H), increasing along K
+            counts, pick = cluster(candidates)
+            counts = counts.float()
+            fits = counts <= target
             # the last candidate that fits, and the first above it (counts grow with tau)
             last = torch.where(fits, torch.arange(_SEARCH_WAYS)[:, None], -1).amax(0)
             at, above = last.clamp(min=0)[None], (last + 1).clamp(max=_SEARCH_WAYS - 1)[None]
-            high = torch.where(last < _SEARCH_WAYS - 1, candidates.gather(0, above)[0], high)
+            inside = last < _SEARCH_WAYS - 1
+            high = torch.where(inside, candidates.gather(0, above)[0], high)
+            count_high = torch.where(inside, counts.gather(0, above)[0], count_high)
             low = torch.where(last >= 0, candidates.gather(0, at)[0], low)
-            chosen = seeds[at[0].to(seeds.device), torch.arange(heads, device=seeds.device)]  # (H, N)
-            moved = (last >= 0).to(seeds.device)[:, None]
+            count_low = torch.where(last >= 0, counts.gather(0, at)[0], count_low)
+            chosen = pick(at[0])  # (H, N)
+            moved = (last >= 0).to(chosen.device)[:, None]
             best = chosen if best is None else torch.where(moved, chosen, best)
-            kept = torch.where(last >= 0, counts.gather(0, at)[0], -1)
-            if bool((kept == plan.target).all()):  # every head keeps exactly its budget: done
+            close = (low > -1) & (count_low >= target - slack)
+            if bool((close | (high - low <= precision)).all()):
                 break
+            uniform = (high - low) * (_SEARCH_WAYS + 1) > width
         found = low > -1  # candidates lie above -1: low moved exactly where one fitted
         if best is None or not bool(found.all()):  # a head where no candidate fitted keeps tau = -1
-            at_low = cluster(low[None])[0]
+            at_low = cluster(low[None])[1](torch.zeros(heads, dtype=torch.long))
             best = at_low if best is None else torch.where(found.to(at_low.device)[:, None], best, at_low)
         return best
