@@ -13,6 +13,7 @@ keys (B, H_kv, N, D): the torch twins of :mod:`.gsc_triton`, chosen by :mod:`.di
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -96,21 +97,42 @@ class JoinTable:
     order: torch.Tensor  # (C,) chunks, longest first
     active: list[int]  # chunks that have a token p, for each slot p
     similarity: torch.Tensor  # (H, C, W, W) float32 in chunk order; negated and sorted per row when masks is set
-    masks: torch.Tensor | None  # (H, C, W, W) int64: bits of each row's r + 1 most similar tokens
+    masks: torch.Tensor | None  # (H, C, W, W + 1) int64: bits of row p's r most similar tokens, and of p
 
     @classmethod
-    def build(cls, similarity: torch.Tensor, layout: ChunkLayout) -> JoinTable:
-        """From :func:`chunk_similarity` (H, C, W, W), which it leaves as it is."""
-        device = similarity.device
-        lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
-        order = lengths.argsort(descending=True, stable=True)
-        active = (lengths[order][None, :] > torch.arange(layout.width, device=device)[:, None]).sum(1).tolist()
-        similarity = similarity[:, order].float()
-        if layout.width > _WORD:
+    def build(cls, grids: Iterable[torch.Tensor], heads: int, layout: ChunkLayout) -> JoinTable:
+        """From :func:`chunk_similarity` grids (H_i, C, W, W) of ``heads`` heads in all, side by side.
+
+        ``grids`` may be a generator: each grid is copied into the table as it comes, and the table
+        is sorted in place, so building takes the table's own memory and one grid at a time.
+        """
+        width = layout.width
+        similarity: torch.Tensor | None = None
+        order: torch.Tensor | None = None
+        at = 0
+        for grid in grids:
+            if similarity is None or order is None:
+                lengths = torch.bincount(layout.token_chunk.to(grid.device), minlength=layout.num_chunks)
+                order = lengths.argsort(descending=True, stable=True)
+                active = (lengths[order][None, :] > torch.arange(width, device=grid.device)[:, None]).sum(1).tolist()
+                similarity = torch.empty(heads, layout.num_chunks, width, width, device=grid.device)
+            similarity[at : at + grid.shape[0]] = grid[:, order]
+            at += grid.shape[0]
+            del grid  # before the next grid is computed, and before the sort
+        if similarity is None or order is None or at != heads:
+            raise ValueError(f"grids for {heads} heads expected, got {at}")
+        if width > _WORD:
             return cls(order, active, similarity, None)
-        ranked, index = similarity.neg_().sort(-1)  # most similar first, and which token each is
-        torch.bitwise_left_shift(torch.ones((), dtype=index.dtype, device=device), index, out=index)
-        return cls(order, active, ranked, index.cumsum_(-1))
+        masks = torch.empty(*similarity.shape[:-1], width + 1, dtype=torch.int64, device=similarity.device)
+        ranked = masks[..., 1:]  # which token is each row's r-th most similar
+        torch.sort(similarity.neg_(), -1, out=(similarity, ranked))  # in place, most similar first
+        one = torch.ones((), dtype=masks.dtype, device=masks.device)
+        torch.bitwise_left_shift(one, ranked, out=ranked)
+        ranked.cumsum_(-1)  # distinct bits: a running sum is a running OR
+        masks[..., 0] = 0
+        # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
+        masks |= torch.bitwise_left_shift(one, torch.arange(width, device=masks.device))[:, None]
+        return cls(order, active, similarity, masks)
 
     def joins(self, tau: torch.Tensor) -> torch.Tensor:
         """Packed rows (W, K * H, C, words) of the tokens each row's token takes at ``tau`` (K, H)."""
@@ -118,10 +140,12 @@ class JoinTable:
         if self.masks is None:
             joined = pack_rows(self.similarity[None] >= tau[..., None, None, None])  # (K, H, C, W, words)
         else:
-            limit = (-tau).T[:, None, None].expand(-1, *self.similarity.shape[1:3], -1).contiguous()  # (H, C, W, K)
+            heads, chunks = self.similarity.shape[:2]
+            limit = (-tau).T[:, None, None].expand(-1, chunks, width, -1).contiguous()  # (H, C, W, K)
             taken = torch.searchsorted(self.similarity, limit, right=True)  # tokens at least tau alike, per row
-            joined = self.masks.gather(-1, (taken - 1).clamp_(min=0)).masked_fill_(taken == 0, 0)
-            joined = joined.permute(3, 0, 1, 2)[..., None]  # (K, H, C, W, 1)
+            joined = self.masks.new_empty(width, len(tau), heads, chunks)
+            torch.gather(self.masks, -1, taken, out=joined.permute(2, 3, 0, 1))  # straight into the loop's layout
+            return joined.flatten(1, 2)[..., None]
         joined = joined.flatten(0, 1).permute(2, 0, 1, 3).contiguous()
         # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
         own = torch.arange(width, device=joined.device)
@@ -212,7 +236,7 @@ def greedy_seed_clustering(
     Tensor (H, N) long, or (K * H, N) for K thresholds per head
         Token index of the seed of each token's cluster (a seed is its own seed).
     """
-    table = JoinTable.build(similarity, layout)
+    table = JoinTable.build([similarity], similarity.shape[0], layout)
     return greedy_clusters(table, layout, tau, protected).seeds()
 
 

@@ -209,7 +209,7 @@ def test_packed_greedy_clustering_matches_its_definition(longest):
     protected = torch.rand(num_tokens, generator=g) < 0.15
     layout = gsc_ref.ChunkLayout.from_chunk_ids(chunk_ids)
     tau = torch.tensor([[0.1, 0.3], [0.45, 0.5], [0.8, 0.9]])  # (K, H)
-    table = gsc_ref.JoinTable.build(gsc_ref.chunk_similarity(keys, layout), layout)
+    table = gsc_ref.JoinTable.build([gsc_ref.chunk_similarity(keys, layout)], heads, layout)
     assert (table.masks is None) == (layout.width > 64)
     clusters = gsc_ref.greedy_clusters(table, layout, tau, protected)
     seeds = clusters.seeds()

@@ -55,7 +55,7 @@ _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess tha
 def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> int:
     """Bytes one layer takes while clustered on the torch grid: its (H, C, W, W) similarity, sorted
     (float32) beside the packed masks of its rows (int64, :class:`~.gsc_ref.JoinTable`)."""
-    return keys.shape[1] * layout.num_chunks * layout.width**2 * 12
+    return keys.shape[1] * layout.num_chunks * layout.width * (12 * layout.width + 8)
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,20 +249,26 @@ class SemantiCacheCompressor(Compressor):
 
     def compress_document(self, keys_values, context: CompressionContext) -> tuple[LayerKV, ...]:
         """Every layer, several at a time: consecutive layers with the same plan are clustered together
-        (their heads side by side), as many as :data:`_GROUP_BYTES` of similarity grids allow, so that
-        each step of the greedy loop and each round of the tau search covers them all at once."""
+        (their heads side by side), so that each step of the greedy loop and each round of the tau
+        search covers them all at once.
+
+        A group's similarity grids take at most what the layers compressed before it gave back (their
+        full keys and values less their cores), within :data:`_GROUP_BYTES`, or one layer's grid: the
+        peak memory of a read stays that of clustering one layer.
+        """
         plans = self.layer_plans(self.prepare(context), len(keys_values), context)
         layers: list[LayerKV] = []
-        start = 0
+        start, freed = 0, 0
         while start < len(keys_values):
             end = start + 1
             if self.value_similarity or resolve_backend(self.backend, keys_values[start][0]) == "torch":
                 cost = _grid_bytes(keys_values[start][0], plans[start].layout)
-                while (
-                    end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * cost <= _GROUP_BYTES
-                ):
+                allowance = max(cost, min(_GROUP_BYTES, freed))
+                while end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * cost <= allowance:
                     end += 1
-            layers.extend(self._compress_layers(keys_values[start:end], plans[start]))
+            group = self._compress_layers(keys_values[start:end], plans[start])
+            freed += sum(k.nbytes + v.nbytes for k, v in keys_values[start:end]) - sum(g.nbytes for g in group)
+            layers.extend(group)
             if context.release_layers:  # the list's references were the last ones to these layers' full KV
                 keys_values[start:end] = [None] * (end - start)
             start = end
@@ -280,6 +286,7 @@ class SemantiCacheCompressor(Compressor):
         else:
             every = heads * len(keys_values)
             seeds = cluster(torch.full((1, every), self.tau))[1](torch.zeros(every, dtype=torch.long))
+        del cluster  # its similarity table, before the cores are built
         dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
         layers = []
         for index, (keys, values) in enumerate(keys_values):
@@ -303,15 +310,11 @@ class SemantiCacheCompressor(Compressor):
         device = keys.device
         if self.value_similarity or resolve_backend(self.backend, keys) == "torch":
             layout, protected = plan.layout.to(device), plan.protected.to(device)
-            heads = keys.shape[1]
-            similarity = keys.new_empty(heads * len(keys_values), layout.num_chunks, layout.width, layout.width)
-            for index, (layer_keys, layer_values) in enumerate(keys_values):
-                grid = chunk_similarity(layer_keys[0], layout)
-                if self.value_similarity:
-                    grid = torch.minimum(grid, chunk_similarity(layer_values[0], layout))
-                similarity[index * heads : (index + 1) * heads] = grid
-            table = JoinTable.build(similarity, layout)
-            del similarity, grid
+            table = JoinTable.build(
+                (self._similarity(layer_keys, layer_values, layout) for layer_keys, layer_values in keys_values),
+                keys.shape[1] * len(keys_values),
+                layout,
+            )
             rows = torch.arange(table.similarity.shape[0])
 
             def on_grid(tau):
@@ -329,6 +332,12 @@ class SemantiCacheCompressor(Compressor):
             return counts, lambda index: seeds[index.to(device), torch.arange(tau.shape[1], device=device)]
 
         return on_triton
+
+    def _similarity(self, keys: torch.Tensor, values: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        similarity = chunk_similarity(keys[0], layout)
+        if self.value_similarity:
+            similarity = torch.minimum(similarity, chunk_similarity(values[0], layout))
+        return similarity
 
     def _search_tau(self, cluster, heads: int, plan: _Plan) -> torch.Tensor:
         """Per head, the clustering (seeds, (H, N)) at the largest tau that keeps at most ``plan.target`` entries.
