@@ -275,6 +275,7 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory of reads (longest length)")
+    parser.add_argument("--speed-only", action="store_true", help="skip the peak memory of reads")
     parser.add_argument("--peak-read", nargs=4, help=argparse.SUPPRESS)  # one measurement, in a child process
     args = parser.parse_args()
     if args.peak_read:
@@ -286,16 +287,21 @@ def main() -> None:
     started = time.perf_counter()
     results = args.out
     results.mkdir(parents=True, exist_ok=True)
-    memory = memory_rows(args.weights, max(args.lengths))
-    (results / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
-    (results / "memory.md").write_text(
-        "# Peak memory of one read\n\n"
-        f"`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
-        "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it; "
-        "glibc mapping each block of 128 KiB or more on its own, MALLOC_MMAP_THRESHOLD_=131072).\n\n"
-        + memory_table(memory)
-        + f"\n\n{environment(started)}\n"
-    )
+    if args.memory_only and args.speed_only:
+        parser.error("--memory-only and --speed-only exclude each other")
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:  # it slows every large allocation: timings would not be the usual ones
+        parser.error("unset MALLOC_MMAP_THRESHOLD_: the memory rows set it in their own processes")
+    memory = [] if args.speed_only else memory_rows(args.weights, max(args.lengths))
+    if memory:
+        (results / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+        (results / "memory.md").write_text(
+            "# Peak memory of one read\n\n"
+            f"`python -m benchmarks.speed --memory-only --lengths {max(args.lengths)}`: how much the "
+            "process's peak RSS grows during one read of the document (after a warm-up read; VmHWM reset before it; "
+            "glibc mapping each block of 128 KiB or more on its own, MALLOC_MMAP_THRESHOLD_=131072).\n\n"
+            + memory_table(memory)
+            + f"\n\n{environment(started)}\n"
+        )
     if args.memory_only:
         print(memory_table(memory))
         return
