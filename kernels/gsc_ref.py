@@ -13,6 +13,7 @@ keys (B, H_kv, N, D): the torch twins of :mod:`.gsc_triton`, chosen by :mod:`.di
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -78,8 +79,10 @@ def pack_rows(mask: torch.Tensor) -> torch.Tensor:
     padded = mask.new_zeros(*mask.shape[:-1], words * _WORD)
     padded[..., :width] = mask
     weights = torch.tensor(_BYTE_WEIGHTS, dtype=torch.uint8, device=mask.device)
-    octets = padded.view(torch.uint8).unflatten(-1, (words * 8, 8)) * weights
-    return octets.sum(-1, dtype=torch.uint8).view(torch.int64)  # little-endian: byte b holds bits 8b..8b+7
+    octets = (padded.view(torch.uint8).unflatten(-1, (words * 8, 8)) * weights).sum(-1, dtype=torch.uint8)
+    if sys.byteorder == "big":  # byte b of a word must hold bits 8b..8b+7 as the int64 reads them
+        octets = octets.unflatten(-1, (words, 8)).flip(-1).flatten(-2)
+    return octets.view(torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
