@@ -147,7 +147,7 @@ class JoinTable:
             limit = (-tau).T[:, None, None].expand(-1, chunks, width, -1).contiguous()  # (H, C, W, K)
             taken = torch.searchsorted(self.similarity, limit, right=True)  # tokens at least tau alike, per row
             joined = self.masks.new_empty(width, len(tau), heads, chunks)
-            torch.gather(self.masks, -1, taken, out=joined.permute(2, 3, 0, 1))  # straight into the loop's layout
+            joined.permute(2, 3, 0, 1).copy_(self.masks.gather(-1, taken))  # into the loop's layout
             return joined.flatten(1, 2)[..., None]
         joined = joined.flatten(0, 1).permute(2, 0, 1, 3).contiguous()
         # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
