@@ -98,6 +98,7 @@ class JoinTable:
     """
 
     order: torch.Tensor  # (C,) chunks, longest first
+    token_rank: torch.Tensor  # (N,) each token's chunk in that order
     active: list[int]  # chunks that have a token p, for each slot p
     similarity: torch.Tensor  # (H, C, W, W) float32 in chunk order; negated and sorted per row when masks is set
     masks: torch.Tensor | None  # (H, C, W, W + 1) int64: bits of row p's r most similar tokens, and of p
@@ -117,6 +118,7 @@ class JoinTable:
             if similarity is None or order is None:
                 lengths = torch.bincount(layout.token_chunk.to(grid.device), minlength=layout.num_chunks)
                 order = lengths.argsort(descending=True, stable=True)
+                token_rank = order.argsort()[layout.token_chunk.to(grid.device)]
                 active = (lengths[order][None, :] > torch.arange(width, device=grid.device)[:, None]).sum(1).tolist()
                 similarity = torch.empty(heads, layout.num_chunks, width, width, device=grid.device)
             similarity[at : at + grid.shape[0]] = grid[:, order]
@@ -125,7 +127,7 @@ class JoinTable:
         if similarity is None or order is None or at != heads:
             raise ValueError(f"grids for {heads} heads expected, got {at}")
         if width > _WORD:
-            return cls(order, active, similarity, None)
+            return cls(order, token_rank, active, similarity, None)
         masks = torch.empty(*similarity.shape[:-1], width + 1, dtype=torch.int64, device=similarity.device)
         ranked = masks[..., 1:]  # which token is each row's r-th most similar
         torch.sort(similarity.neg_(), -1, out=(similarity, ranked))  # in place, most similar first
@@ -135,7 +137,7 @@ class JoinTable:
         masks[..., 0] = 0
         # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
         masks |= torch.bitwise_left_shift(one, torch.arange(width, device=masks.device))[:, None]
-        return cls(order, active, similarity, masks)
+        return cls(order, token_rank, active, similarity, masks)
 
     def joins(self, tau: torch.Tensor) -> torch.Tensor:
         """Packed rows (W, K * H, C, words) of the tokens each row's token takes at ``tau`` (K, H)."""
@@ -178,9 +180,8 @@ class Clusters:
         """Token index of each token's seed, (R, N) or (len(rows), N) for the ``rows`` asked for."""
         layout, device = self.layout, self.planes.device
         planes = self.planes if rows is None else self.planes[:, rows.to(device)]
-        rank = self.table.order.argsort()[layout.token_chunk]  # each token's chunk in the longest-first order
         word, bit = layout.token_slot // _WORD, layout.token_slot % _WORD
-        held = (planes[:, :, rank, word] >> bit) & 1  # (P, rows, N)
+        held = (planes[:, :, self.table.token_rank, word] >> bit) & 1  # (P, rows, N)
         weights = 1 << torch.arange(planes.shape[0], device=device)
         slots = torch.where(self.protected, layout.token_slot, (held * weights[:, None, None]).sum(0))
         return layout.chunk_start[layout.token_chunk] + slots

@@ -54,8 +54,13 @@ _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess tha
 
 def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> int:
     """Bytes one layer takes while clustered on the torch grid: its (H, C, W, W) similarity, sorted
-    (float32) beside the packed masks of its rows (int64, :class:`~.gsc_ref.JoinTable`)."""
+    (float32) beside the (H, C, W, W + 1) packed masks of its rows (int64, :class:`~.gsc_ref.JoinTable`)."""
     return keys.shape[1] * layout.num_chunks * layout.width * (12 * layout.width + 8)
+
+
+def _seeds_at(cluster, tau: torch.Tensor) -> torch.Tensor:
+    """The seeds (H, N) of a clustering (:meth:`SemantiCacheCompressor._clustering`) at one tau per head (H,)."""
+    return cluster(tau[None])[1](torch.zeros(tau.numel(), dtype=torch.long))
 
 
 @dataclass(frozen=True, eq=False)
@@ -261,7 +266,7 @@ class SemantiCacheCompressor(Compressor):
         start, freed = 0, 0
         while start < len(keys_values):
             end = start + 1
-            if self.value_similarity or resolve_backend(self.backend, keys_values[start][0]) == "torch":
+            if self._on_grid(keys_values[start][0]):
                 cost = _grid_bytes(keys_values[start][0], plans[start].layout)
                 allowance = max(cost, min(_GROUP_BYTES, freed))
                 while end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * cost <= allowance:
@@ -284,8 +289,7 @@ class SemantiCacheCompressor(Compressor):
         if self.tau is None:
             seeds = self._search_tau(cluster, heads * len(keys_values), plan)
         else:
-            every = heads * len(keys_values)
-            seeds = cluster(torch.full((1, every), self.tau))[1](torch.zeros(every, dtype=torch.long))
+            seeds = _seeds_at(cluster, torch.full((heads * len(keys_values),), self.tau))
         del cluster  # its similarity table, before the cores are built
         dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
         layers = []
@@ -308,7 +312,7 @@ class SemantiCacheCompressor(Compressor):
         """
         keys = keys_values[0][0]
         device = keys.device
-        if self.value_similarity or resolve_backend(self.backend, keys) == "torch":
+        if self._on_grid(keys):
             layout, protected = plan.layout.to(device), plan.protected.to(device)
             table = JoinTable.build(
                 (self._similarity(layer_keys, layer_values, layout) for layer_keys, layer_values in keys_values),
@@ -332,6 +336,10 @@ class SemantiCacheCompressor(Compressor):
             return counts, lambda index: seeds[index.to(device), torch.arange(tau.shape[1], device=device)]
 
         return on_triton
+
+    def _on_grid(self, keys: torch.Tensor) -> bool:
+        """Whether these keys are clustered on the torch grid (else by the Triton kernel, one layer at a time)."""
+        return self.value_similarity or resolve_backend(self.backend, keys) == "torch"
 
     def _similarity(self, keys: torch.Tensor, values: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
         similarity = chunk_similarity(keys[0], layout)
@@ -393,6 +401,6 @@ class SemantiCacheCompressor(Compressor):
             uniform = (high - low) * (_SEARCH_WAYS + 1) > width
         found = low > -1  # candidates lie above -1: low moved exactly where one fitted
         if best is None or not bool(found.all()):  # a head where no candidate fitted keeps tau = -1
-            at_low = cluster(low[None])[1](torch.zeros(heads, dtype=torch.long))
+            at_low = _seeds_at(cluster, low)
             best = at_low if best is None else torch.where(found.to(at_low.device)[:, None], best, at_low)
         return best
