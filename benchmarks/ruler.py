@@ -65,6 +65,7 @@ ABLATIONS = {
 SEKV_ABLATIONS = {
     "sekv-token-no-digits": {"anchor_unit": "token", "protect_digits": False},
     "sekv-zoom-0.5": {"zoom_share": 0.5},  # half the device budget rebuilt per question (default 0.3)
+    "sekv-cores": {"summary": "cores"},  # SemantiCache's cores as the summary, chunks rebuilt per question
 }
 ALL_METHODS = OUR_METHODS + tuple(ABLATIONS) + tuple(SEKV_ABLATIONS) + tuple(KAIZEN_ABLATIONS)
 

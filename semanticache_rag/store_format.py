@@ -412,6 +412,6 @@ def _to(code, device):
 def _zoom(state: dict[str, torch.Tensor], manifest: dict):
     if not manifest.get("zoom"):
         return None
-    from semanticache_rag.compressors.sekv import SpanIndex  # only caches that zoom need it
+    from semanticache_rag.compressors.sekv import zoom_from_state_dict  # only caches that zoom need it
 
-    return SpanIndex.from_state_dict(state)
+    return zoom_from_state_dict(state)

@@ -144,3 +144,39 @@ def test_anchors_keep_whole_words_and_digits_as_semanticache_does(tiny_tokenizer
 
 def test_registry_builds_sekv():
     assert isinstance(make_compressor("sekv", 0.5), SeKVCompressor)
+
+
+def test_cores_summary_is_semanticache_at_the_summary_budget(engine, document_text):
+    compressor = SeKVCompressor(0.75, summary="cores")
+    cache = _read(engine, document_text, compressor)
+    summary, zoom = compressor.budgets(cache.length)
+    for layer in cache.layers:
+        assert (layer.sizes > 0).sum(-1).max() <= summary
+        assert (layer.sizes.sum(-1) == cache.length).all()
+    zoom_state = cache.zoom
+    assert zoom_state.zoom_tokens == zoom
+    for layer, entries in zip(cache.layers, zoom_state.entry_chunk):
+        # each core lies inside its chunk: the chunk's tokens add up to the sizes of its cores
+        sizes = layer.sizes[0].long()
+        for head in range(sizes.shape[0]):
+            real = entries[head] >= 0
+            per_chunk = torch.zeros(zoom_state.merged.numel(), dtype=torch.long)
+            per_chunk.scatter_add_(0, entries[head][real].long(), sizes[head][real])
+            chunk_length = torch.bincount(
+                torch.repeat_interleave(torch.arange(zoom_state.chunks.length.numel()), zoom_state.chunks.length),
+                minlength=per_chunk.numel(),
+            )
+            assert torch.equal(per_chunk, chunk_length)
+    answer = engine.ask(cache, "Who may copy it?", max_new_tokens=4)
+    assert 0 < answer.tokens_reconstructed <= zoom and answer.spans_expanded > 0
+
+
+def test_every_chunk_rebuilt_from_cores_gives_the_full_cache_answer(engine, document_text):
+    question = "Who may copy it?"
+    full = engine.ask(_read(engine, document_text, NoCompression()), question, max_new_tokens=12)
+    cache = _read(engine, document_text, SeKVCompressor(0.5, zoom_tokens=10_000, rank=16, summary="cores"))
+    answer = engine.ask(cache, question, max_new_tokens=12)
+    assert answer.completion_ids == full.completion_ids
+    merged = cache.zoom.merged
+    assert answer.tokens_reconstructed == int(cache.zoom.chunks.length[merged].sum())
+    assert answer.spans_expanded == int(merged.sum())

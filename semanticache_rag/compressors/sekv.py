@@ -38,9 +38,12 @@ import torch
 
 from semanticache_rag.compressors.anchors import UNITS, anchor_priority, choose_anchors, context_words
 from semanticache_rag.compressors.base import CompressionContext, Compressor
+from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kv import ConversationKV, LayerKV
 from semanticache_rag.rotation import rotate_keys
+
+SUMMARIES = ("spans", "cores")
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,15 +191,21 @@ def select_spans(scores: torch.Tensor, length: torch.Tensor, budget: int) -> tor
     return torch.tensor(chosen, dtype=torch.long)
 
 
-def zoomed_kv(cache, selected: torch.Tensor, rebuilt, tail_len: int):
-    """The working cache with ``selected`` summary entries masked and their ``rebuilt`` tokens in front of the tail."""
+def zoomed_kv(cache, selected: torch.Tensor, rebuilt, tail_len: int, keep=None):
+    """The working cache with ``selected`` summary entries masked and their ``rebuilt`` tokens in front of the tail.
+
+    ``keep`` (one (H, E) bool mask per layer) masks per layer and head instead, for summaries whose
+    entries differ between heads (:class:`CoreIndex`).
+    """
     count = 0 if rebuilt is None else rebuilt[0].shape[2]
-    masked = torch.ones(cache.layers[0].keys.shape[2], dtype=torch.bool)
-    masked[selected] = False
+    if keep is None:
+        masked = torch.ones(cache.layers[0].keys.shape[2], dtype=torch.bool)
+        masked[selected] = False
+        keep = [masked] * len(cache.layers)
     layers = []
-    for layer in cache.layers:
+    for layer, mask in zip(cache.layers, keep):
         sizes = layer.sizes if layer.sizes is not None else layer.keys.new_ones(layer.keys.shape[:3], dtype=torch.int16)
-        layers.append(LayerKV(layer.keys, layer.values, sizes * masked.to(sizes)))
+        layers.append(LayerKV(layer.keys, layer.values, sizes * mask.to(sizes)))
     kv = ConversationKV(layers, capacity=count + tail_len + 256)
     if rebuilt is not None:
         for index, layer in enumerate(kv.layers):
@@ -205,6 +214,92 @@ def zoomed_kv(cache, selected: torch.Tensor, rebuilt, tail_len: int):
     extra = sum(layer.nbytes - layer.keys.nbytes - layer.values.nbytes for layer in layers)  # the masked sizes
     extra += 0 if rebuilt is None else rebuilt[0].nbytes * 2
     return kv, ZoomInfo(int(selected.numel()), count, cache.nbytes + extra)
+
+
+@dataclass(eq=False)
+class CoreIndex:
+    """Zoom state of SeKV over SemantiCache's cores (``SeKVCompressor(summary="cores")``).
+
+    The device summary is SemantiCache's cache; a core never crosses a semantic chunk, so the
+    chunks are the spans: ``chunks`` is the host copy of every chunk with a merged core (a
+    :class:`SpanIndex` whose entries are chunks) and ``entry_chunk`` gives, per layer, the chunk
+    of each core (H, E), -1 for padding. A question scores each chunk by its best core (the most
+    attention any of its cores gets, max over heads and question tokens, summed over layers);
+    the chosen chunks' cores are masked in every layer and head and their tokens rebuilt.
+    """
+
+    chunks: SpanIndex
+    entry_chunk: list[torch.Tensor]
+    merged: torch.Tensor  # (C,) bool: chunks with a core of more than one token somewhere
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunks.nbytes + sum(t.numel() * t.element_size() for t in [*self.entry_chunk, self.merged])
+
+    @property
+    def zoom_tokens(self) -> int:
+        return self.chunks.zoom_tokens
+
+    def scores(self, engine, cache, tail: list[int]) -> torch.Tensor:
+        """Attention each chunk's best core gets from ``tail`` (C,)."""
+        chunks = self.merged.numel()
+        total = torch.zeros(chunks)
+
+        def observe(layer_idx, query, document, scaling):
+            batch, heads, num_queries, dim = query.shape
+            kv_heads = document.keys.shape[1]
+            q = query.reshape(batch, kv_heads, -1, dim)
+            logits = (q @ document.keys.transpose(-1, -2)).float() * scaling
+            if document.log_sizes is not None:
+                logits = logits + document.log_sizes[:, :, None, :]
+            attention = torch.softmax(logits, -1).amax(dim=(0, 2)).cpu()  # (H, E)
+            index = self.entry_chunk[layer_idx].long().clamp(min=0)
+            best = torch.zeros(kv_heads, chunks).scatter_reduce_(1, index, attention, "amax")
+            total.add_(best.amax(0))
+
+        kv = ConversationKV(cache.layers)
+        kv.observe = observe
+        engine.forward(kv, tail, cache.positions)
+        return total
+
+    def working_kv(self, engine, cache, tail: list[int]) -> tuple[ConversationKV, ZoomInfo]:
+        """A working cache for ``tail`` with the chunks it needs rebuilt at token level."""
+        scores = self.scores(engine, cache, tail)
+        length = torch.where(self.merged, self.chunks.length, 1)  # chunks kept whole are no candidates
+        selected = select_spans(scores, length, self.zoom_tokens)
+        if selected.numel() == 0:
+            return ConversationKV(cache.layers), ZoomInfo(0, 0, cache.nbytes)
+        rebuilt = self.chunks.reconstruct(selected, engine.device, cache.layers[0].keys.dtype)
+        chosen = torch.zeros(self.merged.numel() + 1, dtype=torch.bool)
+        chosen[selected] = True
+        keep = [~chosen[entries.long()][None] for entries in self.entry_chunk]  # index -1 reads the last: False
+        return zoomed_kv(cache, selected, rebuilt, len(tail), keep)
+
+    @classmethod
+    def join(cls, parts, inv_freqs):
+        raise ConfigError(
+            'SeKV with summary="cores" does not splice a long document\'s sections yet; '
+            'read long documents with summary="spans" (the default) or with SemantiCache'
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"chunks.{name}": tensor for name, tensor in self.chunks.state_dict().items()}
+        state["merged"] = self.merged
+        state.update({f"entry_chunk.{i}": entries for i, entries in enumerate(self.entry_chunk)})
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> CoreIndex:
+        chunks = SpanIndex.from_state_dict(
+            {k.removeprefix("chunks."): v for k, v in state.items() if k.startswith("chunks.")}
+        )
+        layers = sum(1 for name in state if name.startswith("entry_chunk."))
+        return cls(chunks, [state[f"entry_chunk.{i}"] for i in range(layers)], state["merged"])
+
+
+def zoom_from_state_dict(state: dict[str, torch.Tensor]):
+    """The zoom state a cache stored (:meth:`SpanIndex.state_dict` or :meth:`CoreIndex.state_dict`)."""
+    return CoreIndex.from_state_dict(state) if "merged" in state else SpanIndex.from_state_dict(state)
 
 
 @dataclass(eq=False)
@@ -291,6 +386,11 @@ class SeKVCompressor(Compressor):
         Tokens holding a digit are anchors before any other.
     sink_tokens, window_tokens : int
         First and last tokens kept whole.
+    summary : str
+        ``"spans"``: one mean entry per surprisal-bounded span (above); ``"cores"``: SemantiCache's
+        cache at the summary budget (its own anchor settings), its semantic chunks the spans that a
+        question rebuilds, each scored by its best core (:class:`CoreIndex`). The anchor options
+        above apply to ``"spans"`` only.
     """
 
     name: ClassVar[str] = "sekv"
@@ -306,6 +406,7 @@ class SeKVCompressor(Compressor):
     protect_digits: bool = True
     sink_tokens: int = 4
     window_tokens: int = 32
+    summary: str = "spans"
 
     def __post_init__(self):
         super().__post_init__()
@@ -322,6 +423,8 @@ class SeKVCompressor(Compressor):
             raise ConfigError(f"anchor_unit must be one of {UNITS}, got {self.anchor_unit!r}")
         if self.max_word_tokens < 1:
             raise ConfigError(f"max_word_tokens must be >= 1, got {self.max_word_tokens!r}")
+        if self.summary not in SUMMARIES:
+            raise ConfigError(f"summary must be one of {SUMMARIES}, got {self.summary!r}")
 
     def budgets(self, num_tokens: int) -> tuple[int, int]:
         """(summary entries, zoom tokens) per head for a prefix of ``num_tokens`` tokens."""
@@ -383,9 +486,35 @@ class SeKVCompressor(Compressor):
         return LayerKV(summary[0], summary[1], sizes)
 
     def compress_cache(self, keys_values, context: CompressionContext):
+        if self.summary == "cores":
+            return self._compress_cores(keys_values, context)
         plan = self.prepare(context)
         layers = tuple(self.compress(keys, values, context, plan) for keys, values in keys_values)
         return layers, self.span_index(keys_values, plan)
+
+    def _compress_cores(self, keys_values, context: CompressionContext):
+        """SemantiCache's cores at the summary budget, and the host copy of every chunk they merged."""
+        num_tokens = context.token_ids.numel()
+        summary, zoom = self.budgets(num_tokens)
+        inner = SemantiCacheCompressor(
+            target_tokens=min(summary, num_tokens), sink_tokens=self.sink_tokens, window_tokens=self.window_tokens
+        )
+        layout = inner.prepare(context).layout
+        if summary >= num_tokens:
+            return tuple(LayerKV(k, v) for k, v in keys_values), None
+        chunks = self.span_index(keys_values, _spans(layout.token_slot == 0, zoom))
+        layers = inner.compress_document(keys_values, context)
+        token_chunk = layout.token_chunk.cpu()
+        entry_chunk, merged = [], torch.zeros(layout.num_chunks + 1, dtype=torch.bool)
+        for layer in layers:
+            sizes = layer.sizes[0].long().cpu()  # (H, E); cores follow their seeds, so chunks come in order
+            first = (sizes.cumsum(1) - sizes).clamp(max=num_tokens - 1)  # first token counted by each core
+            entries = torch.where(sizes > 0, token_chunk[first], -1)
+            merged[entries[sizes > 1]] = True
+            entry_chunk.append(entries.to(torch.int32))
+        if chunks is None or not merged.any():
+            return layers, None
+        return layers, CoreIndex(chunks, entry_chunk, merged[:-1].clone())
 
     def span_index(self, keys_values, plan: _Spans) -> SpanIndex | None:
         """The host copy of every multi-token span (``None`` when nothing was merged)."""
