@@ -60,12 +60,13 @@ ABLATIONS = {
     "semanticache-anchors-0.7": {"anchor_share": 0.7},  # anchors may take 70% of the budget (default 50%)
     "semanticache-slope-0.3": {"layer_budget_slope": 0.3},  # 1.3x the mean budget in layer 0, 0.7x in the last
 }
-# SeKV's anchors as they were before it shared SemantiCache's (single surprising tokens, no digits);
-# a larger share of the budget for the per-question zoom
+# SeKV's span summary (the default before SemantiCache's cores), with its anchors as they were before it
+# shared SemantiCache's (single surprising tokens, no digits) and with a larger share of the budget for
+# the per-question zoom
 SEKV_ABLATIONS = {
-    "sekv-token-no-digits": {"anchor_unit": "token", "protect_digits": False},
-    "sekv-zoom-0.5": {"zoom_share": 0.5},  # half the device budget rebuilt per question (default 0.3)
-    "sekv-cores": {"summary": "cores"},  # SemantiCache's cores as the summary, chunks rebuilt per question
+    "sekv-token-no-digits": {"summary": "spans", "anchor_unit": "token", "protect_digits": False},
+    "sekv-zoom-0.5": {"summary": "spans", "zoom_share": 0.5},  # half the device budget rebuilt per question
+    "sekv-spans": {"summary": "spans"},  # one mean entry per surprisal-bounded span (the default before cores)
 }
 ALL_METHODS = OUR_METHODS + tuple(ABLATIONS) + tuple(SEKV_ABLATIONS) + tuple(KAIZEN_ABLATIONS)
 

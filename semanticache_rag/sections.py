@@ -372,8 +372,8 @@ class SectionedCache:
         first: Any = next((zoom for zoom in zooms if zoom is not None), None)
         if first is None:
             return None
-        offsets, at = [], self.head.layers[0].keys.shape[2]
+        offsets, at = [], [layer.keys.shape[2] for layer in self.head.layers]  # entries per layer before each
         for k in chosen:
             offsets.append(at)
-            at += self.sections[k].layers[0].keys.shape[2]
+            at = [n + layer.keys.shape[2] for n, layer in zip(at, self.sections[k].layers)]
         return type(first).join(list(zip(offsets, zooms, deltas)), inv_freqs)

@@ -414,4 +414,7 @@ def _zoom(state: dict[str, torch.Tensor], manifest: dict):
         return None
     from semanticache_rag.compressors.sekv import zoom_from_state_dict  # only caches that zoom need it
 
-    return zoom_from_state_dict(state)
+    try:
+        return zoom_from_state_dict(state)
+    except ValueError as exc:
+        raise EntryRejected(f"zoom state: {exc}") from exc

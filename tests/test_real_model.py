@@ -117,16 +117,20 @@ def test_chat_answers_end_instead_of_looping(engine, cyrguide):
     assert "1489" in first.answer and "LH fonts" in second.answer and "koi8-r" not in second.answer
 
 
-def test_sekv_expanding_every_span_answers_as_the_full_cache(engine, planted_prefill, planted):
+@pytest.mark.parametrize("summary", ["cores", "spans"])
+def test_sekv_expanding_every_span_answers_as_the_full_cache(engine, planted_prefill, planted, summary):
     from semanticache_rag import SeKVCompressor
 
     prefill, question, _ = planted_prefill
     full = engine.ask(planted[0], question, max_new_tokens=24)
     # rank 64 = head dim: every span is rebuilt exactly; the zoom budget covers the whole document
-    cache = engine.compress(prefill, SeKVCompressor(0.5, zoom_tokens=10_000, rank=64))
+    cache = engine.compress(prefill, SeKVCompressor(0.5, zoom_tokens=10_000, rank=64, summary=summary))
     answer = engine.ask(cache, question, max_new_tokens=24)
     assert answer.completion_ids == full.completion_ids
-    assert answer.tokens_reconstructed == int(cache.zoom.length[cache.zoom.length > 1].sum())
+    if summary == "spans":
+        assert answer.tokens_reconstructed == int(cache.zoom.length[cache.zoom.length > 1].sum())
+    else:  # every chunk that has a merged core
+        assert answer.tokens_reconstructed == int(cache.zoom.chunks.length[cache.zoom.merged].sum())
 
 
 def test_sekv_device_memory_at_a_1024_token_budget_on_5k_tokens(engine):

@@ -286,14 +286,18 @@ def test_answers_name_the_pages_of_their_sections(long_engine):
     assert len(answer.pages) < len(document.pages)
 
 
-def test_sekv_zooms_into_spliced_sections_and_exact_spans_give_the_plain_answer(tiny_llama, tiny_tokenizer, long_text):
+@pytest.mark.parametrize("summary", ["spans", "cores"])
+def test_sekv_zooms_into_spliced_sections_and_exact_spans_give_the_plain_answer(
+    tiny_llama, tiny_tokenizer, long_text, summary
+):
     """Spans rebuilt from each section's host copy, moved with it: with exact copies (rank = head dim) and a
     zoom budget that covers every span, the answer is the uncompressed splice's, token for token."""
     from semanticache_rag import SeKVCompressor
 
     text = long_text[:9000]
     answers = {}
-    for name, compressor in (("plain", None), ("sekv", SeKVCompressor(0.5, zoom_tokens=100_000, rank=16))):
+    exact = SeKVCompressor(0.5, zoom_tokens=100_000, rank=16, summary=summary)
+    for name, compressor in (("plain", None), ("sekv", exact)):
         engine = Engine(
             tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, compressor=compressor
         )
@@ -364,3 +368,43 @@ def test_the_models_own_routing_over_layers_of_different_lengths(tiny_llama, tin
 def test_unknown_routing_is_refused(tiny_llama, tiny_tokenizer):
     with pytest.raises(ConfigError, match="routing must be one of"):
         Engine(tiny_llama, tiny_tokenizer, routing="psychic")
+
+
+@pytest.mark.parametrize("summary", ["spans", "cores"])
+def test_sekv_rebuilt_sections_attend_as_the_plain_splice(tiny_llama, tiny_tokenizer, long_text, summary):
+    """With exact host copies and a zoom budget that covers every span, the zoomed working cache of spliced
+    sections holds the plain splice's entries (rebuilt keys moved with their sections): any query attends
+    to both alike."""
+    from semanticache_rag import SeKVCompressor
+    from semanticache_rag.conversation import working_cache
+
+    text = long_text[:9000]
+    caches = {}
+    exact = SeKVCompressor(0.5, zoom_tokens=100_000, rank=16, summary=summary)
+    for name, compressor in (("plain", None), ("sekv", exact)):
+        engine = Engine(
+            tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, compressor=compressor
+        )
+        caches[name] = (engine, engine.read(text, progress=False))
+    engine, sekv = caches["sekv"]
+    plain = caches["plain"][1]
+    chosen = [1, 3, 4]  # not the first: every section moves
+    inv_freqs = engine.rope_frequencies
+    spliced = {
+        name: cache.splice(chosen, inv_freqs, selection=None, compact=False)
+        for name, cache in (("plain", plain), ("sekv", sekv))
+    }
+    assert any(delta != 0 for delta in sekv._placement(chosen, False)[0])
+    tail = tiny_tokenizer(" Who may copy it?", add_special_tokens=False)["input_ids"]
+    kv, zoom = working_cache(engine, spliced["sekv"], tail)
+    assert zoom.spans_expanded > 0
+    torch.manual_seed(0)
+    for index, layer in enumerate(spliced["plain"].layers):
+        query = torch.randn(layer.keys.shape[1], 5, layer.keys.shape[3])
+        keys, values, log_sizes = kv.document_tensors(index)
+        rebuilt_keys, rebuilt_values = kv.layers[index].appended()
+        keys, values = torch.cat([keys, rebuilt_keys], 2)[0], torch.cat([values, rebuilt_values], 2)[0]
+        bias = torch.cat([log_sizes[0], log_sizes.new_zeros(log_sizes.shape[1], rebuilt_keys.shape[2])], 1)
+        ours = torch.softmax(query @ keys.transpose(-1, -2) + bias[:, None], -1) @ values
+        expected = torch.softmax(query @ layer.keys[0].transpose(-1, -2), -1) @ layer.values[0]
+        assert torch.allclose(ours, expected, atol=1e-4), index

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_reconstruction_error_falls_with_rank_and_is_exact_at_full_rank():
 
 
 def test_summary_meets_the_device_budget_and_sizes_sum(engine, document_text):
-    compressor = SeKVCompressor(0.75)
+    compressor = SeKVCompressor(0.75, summary="spans")
     cache = _read(engine, document_text, compressor)
     summary, zoom = compressor.budgets(cache.length)
     assert summary + zoom == round(0.25 * cache.length) and zoom == round(0.3 * (summary + zoom))
@@ -51,7 +53,7 @@ def test_every_span_rebuilt_at_full_rank_gives_the_full_cache_answer(engine, doc
     question = "Who may copy it?"
     full = engine.ask(_read(engine, document_text, NoCompression()), question, max_new_tokens=12)
     # head_dim is 16: rank 16 is exact; a zoom budget of the whole document expands every span
-    cache = _read(engine, document_text, SeKVCompressor(0.5, zoom_tokens=10_000, rank=16))
+    cache = _read(engine, document_text, SeKVCompressor(0.5, zoom_tokens=10_000, rank=16, summary="spans"))
     answer = engine.ask(cache, question, max_new_tokens=12)
     assert answer.completion_ids == full.completion_ids
     assert answer.tokens_reconstructed == int(cache.zoom.length[cache.zoom.length > 1].sum())
@@ -78,7 +80,7 @@ def test_no_zoom_budget_answers_from_the_summary_alone(engine, document_text):
 
 
 def test_span_index_state_dict_round_trip(engine, document_text):
-    cache = _read(engine, document_text, SeKVCompressor(0.75, zoom_tokens=64, rank=4))
+    cache = _read(engine, document_text, SeKVCompressor(0.75, zoom_tokens=64, rank=4, summary="spans"))
     state = cache.zoom.state_dict()
     assert all(isinstance(t, torch.Tensor) for t in state.values())
     again = SpanIndex.from_state_dict(state)
@@ -180,3 +182,21 @@ def test_every_chunk_rebuilt_from_cores_gives_the_full_cache_answer(engine, docu
     merged = cache.zoom.merged
     assert answer.tokens_reconstructed == int(cache.zoom.chunks.length[merged].sum())
     assert answer.spans_expanded == int(merged.sum())
+
+
+def test_cores_state_dict_round_trip_and_damage_is_refused(engine, document_text):
+    from semanticache_rag.compressors.sekv import CoreIndex, zoom_from_state_dict
+
+    cache = _read(engine, document_text, SeKVCompressor(0.75, summary="cores", rank=4))
+    state = cache.zoom.state_dict()
+    again = zoom_from_state_dict(state)
+    assert isinstance(again, CoreIndex) and again.nbytes == cache.zoom.nbytes
+    assert all(torch.equal(a, b) for a, b in zip(again.entry_chunk, cache.zoom.entry_chunk))
+    question = engine.ask(cache, "Who may copy it?", max_new_tokens=6)
+    reloaded = engine.ask(dataclasses.replace(cache, zoom=again), "Who may copy it?", max_new_tokens=6)
+    assert reloaded.completion_ids == question.completion_ids
+    state["entry_chunk.0"] = state["entry_chunk.0"] + cache.zoom.merged.numel()  # chunks that do not exist
+    with pytest.raises(ValueError, match="do not match"):
+        zoom_from_state_dict(state)
+    with pytest.raises(ConfigError, match="summary must be one of"):
+        SeKVCompressor(summary="chunks")

@@ -515,7 +515,7 @@ def with_zoom(engine, doc, state):
 
 def test_zoom_state_round_trip_and_unavailable_zoom(engine, document_text, monkeypatch):
     module = types.ModuleType("semanticache_rag.compressors.sekv")
-    module.SpanIndex = FakeSpanIndex
+    module.zoom_from_state_dict = FakeSpanIndex.from_state_dict
     monkeypatch.setitem(sys.modules, "semanticache_rag.compressors.sekv", module)
     state = {"spans": torch.arange(6).reshape(3, 2), "low_rank.keys": torch.randn(2, 4)}
     doc = document_from_text(document_text)
@@ -538,15 +538,16 @@ def test_zoom_state_that_is_not_tensors_is_not_stored(engine, document_text, cap
     assert engine.store.entries() == [] and "Cannot store" in caplog.text
 
 
-def test_sekv_cache_round_trip(tiny_llama, tiny_tokenizer, store_dir, document_text):
-    sekv = pytest.importorskip("semanticache_rag.compressors.sekv")
-    if not hasattr(sekv, "SeKVCompressor"):
-        pytest.skip("SeKV compressor not available")
-    first = make_engine(tiny_llama, tiny_tokenizer, store_dir, sekv.SeKVCompressor())
+@pytest.mark.parametrize("summary", ["spans", "cores"])
+def test_sekv_cache_round_trip(tiny_llama, tiny_tokenizer, store_dir, document_text, summary):
+    from semanticache_rag.compressors import sekv
+
+    first = make_engine(tiny_llama, tiny_tokenizer, store_dir, sekv.SeKVCompressor(summary=summary))
     cache = first.read(document_text, progress=False)
     again = fresh(first)
     loaded = again.read(document_text, progress=False)
-    assert again.store.stats.disk_hits == 1 and isinstance(loaded.zoom, sekv.SpanIndex)
+    kind = sekv.SpanIndex if summary == "spans" else sekv.CoreIndex
+    assert again.store.stats.disk_hits == 1 and isinstance(loaded.zoom, kind)
     assert loaded.zoom.nbytes == cache.zoom.nbytes
     assert answer(again, loaded) == answer(first, cache)
 
