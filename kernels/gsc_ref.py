@@ -69,20 +69,27 @@ def chunk_similarity(keys: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 
 
 _WORD = 64  # tokens per int64 word of a packed row
+_SHORT_WORD = 31  # chunks of at most this many tokens pack into one int32 word (the sign bit left unused)
 _BYTE_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def pack_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Bool (..., W) -> int64 (..., ceil(W / 64)): bit ``j % 64`` of word ``j // 64`` is ``mask[..., j]``."""
-    width = mask.shape[-1]
-    words = -(-width // _WORD)
-    padded = mask.new_zeros(*mask.shape[:-1], words * _WORD)
+def word_dtype(width: int) -> torch.dtype:
+    """The word of a packed row of ``width`` tokens: int32 up to 31 tokens (half the bytes), else int64."""
+    return torch.int32 if width <= _SHORT_WORD else torch.int64
+
+
+def pack_rows(mask: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Bool (..., W) -> (..., words) of ``dtype`` (int64, or int32 for W <= 31): bit ``j % b`` of word
+    ``j // b`` is ``mask[..., j]``, for words of ``b`` bits."""
+    width, size = mask.shape[-1], torch.iinfo(dtype).bits // 8
+    words = -(-width // (8 * size))
+    padded = mask.new_zeros(*mask.shape[:-1], words * 8 * size)
     padded[..., :width] = mask
     weights = torch.tensor(_BYTE_WEIGHTS, dtype=torch.uint8, device=mask.device)
-    octets = (padded.view(torch.uint8).unflatten(-1, (words * 8, 8)) * weights).sum(-1, dtype=torch.uint8)
-    if sys.byteorder == "big":  # byte b of a word must hold bits 8b..8b+7 as the int64 reads them
-        octets = octets.unflatten(-1, (words, 8)).flip(-1).flatten(-2)
-    return octets.view(torch.int64)
+    octets = (padded.view(torch.uint8).unflatten(-1, (words * size, 8)) * weights).sum(-1, dtype=torch.uint8)
+    if sys.byteorder == "big":  # byte b of a word must hold bits 8b..8b+7 as the word reads them
+        octets = octets.unflatten(-1, (words, size)).flip(-1).flatten(-2)
+    return octets.view(dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +108,12 @@ class JoinTable:
     token_rank: torch.Tensor  # (N,) each token's chunk in that order
     active: list[int]  # chunks that have a token p, for each slot p
     similarity: torch.Tensor  # (H, C, W, W) float32 in chunk order; negated and sorted per row when masks is set
-    masks: torch.Tensor | None  # (H, C, W, W + 1) int64: bits of row p's r most similar tokens, and of p
+    masks: torch.Tensor | None  # (H, C, W, W + 1) int32/int64: bits of row p's r most similar tokens, and of p
+
+    @property
+    def word_bits(self) -> int:
+        """Tokens per word of the loop's packed rows (int32 words for chunks of up to 31 tokens)."""
+        return torch.iinfo(word_dtype(self.similarity.shape[-1])).bits
 
     @classmethod
     def build(cls, grids: Iterable[torch.Tensor], heads: int, layout: ChunkLayout) -> JoinTable:
@@ -128,11 +140,14 @@ class JoinTable:
             raise ValueError(f"grids for {heads} heads expected, got {at}")
         if width > _WORD:
             return cls(order, token_rank, active, similarity, None)
-        masks = torch.empty(*similarity.shape[:-1], width + 1, dtype=torch.int64, device=similarity.device)
+        masks = torch.empty(*similarity.shape[:-1], width + 1, dtype=word_dtype(width), device=similarity.device)
         ranked = masks[..., 1:]  # which token is each row's r-th most similar
-        torch.sort(similarity.neg_(), -1, out=(similarity, ranked))  # in place, most similar first
         one = torch.ones((), dtype=masks.dtype, device=masks.device)
-        torch.bitwise_left_shift(one, ranked, out=ranked)
+        order_of = torch.empty(similarity.shape[1:], dtype=torch.int64, device=similarity.device)
+        for row in range(heads):  # sort's indices are int64: one head at a time beside int32 masks
+            torch.sort(similarity[row].neg_(), -1, out=(similarity[row], order_of))  # in place, most similar first
+            torch.bitwise_left_shift(one, order_of.to(masks.dtype), out=ranked[row])
+        del order_of
         ranked.cumsum_(-1)  # distinct bits: a running sum is a running OR
         masks[..., 0] = 0
         # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
@@ -166,7 +181,7 @@ class Clusters:
     ----------
     counts : Tensor (R,) long
         Clusters per row.
-    planes : Tensor (P, R, C, words) int64
+    planes : Tensor (P, R, C, words) int32 or int64 (the table's words)
         Bit ``t`` of plane ``k`` (in the chunk order of ``table``): bit ``k`` of token ``t``'s seed slot.
     """
 
@@ -180,7 +195,7 @@ class Clusters:
         """Token index of each token's seed, (R, N) or (len(rows), N) for the ``rows`` asked for."""
         layout, device = self.layout, self.planes.device
         planes = self.planes if rows is None else self.planes[:, rows.to(device)]
-        word, bit = layout.token_slot // _WORD, layout.token_slot % _WORD
+        word, bit = layout.token_slot // self.table.word_bits, layout.token_slot % self.table.word_bits
         held = (planes[:, :, self.table.token_rank, word] >> bit) & 1  # (P, rows, N)
         weights = 1 << torch.arange(planes.shape[0], device=device)
         slots = torch.where(self.protected, layout.token_slot, (held * weights[:, None, None]).sum(0))
@@ -190,16 +205,17 @@ class Clusters:
 def greedy_clusters(table: JoinTable, layout: ChunkLayout, tau: torch.Tensor, protected: torch.Tensor) -> Clusters:
     """Greedy Seed-based Clustering at K thresholds per head (``tau`` (K, H)) of a :class:`JoinTable`.
 
-    The loop runs on bit-packed rows: a chunk's tokens are the bits of ``ceil(W / 64)`` int64
-    words, so a step of the loop (token ``p`` of every chunk seeding a cluster) is a few word-wise
-    operations over (K * H, chunks). Each token's seed slot is kept as bit planes (plane ``k``
-    holds the tokens whose seed slot has bit ``k``), unpacked by :meth:`Clusters.seeds`.
+    The loop runs on bit-packed rows: a chunk's tokens are the bits of one int32 word (W <= 31) or
+    of ``ceil(W / 64)`` int64 words, so a step of the loop (token ``p`` of every chunk seeding a
+    cluster) is a few word-wise operations over (K * H, chunks). Each token's seed slot is kept as
+    bit planes (plane ``k`` holds the tokens whose seed slot has bit ``k``), unpacked by
+    :meth:`Clusters.seeds`.
     """
     device = table.order.device
     joins = table.joins(tau.reshape(-1, table.similarity.shape[0]).to(device))  # (W, K * H, C, words)
     free = torch.zeros(layout.num_chunks, layout.width, dtype=torch.bool, device=device)
     free[layout.token_chunk, layout.token_slot] = ~protected
-    unassigned = pack_rows(free[table.order]).expand(joins.shape[1], -1, -1).clone()  # (K * H, C, words)
+    unassigned = pack_rows(free[table.order], joins.dtype).expand(joins.shape[1], -1, -1).clone()  # (K * H, C, words)
     planes = unassigned.new_zeros(max(1, (layout.width - 1).bit_length()), *unassigned.shape)
     seeded = unassigned.new_zeros(unassigned.shape[:2])  # clusters each chunk's free tokens seeded
     for p, count in enumerate(table.active):
@@ -207,7 +223,7 @@ def greedy_clusters(table: JoinTable, layout: ChunkLayout, tau: torch.Tensor, pr
             break
         # -- token p of every chunk, if still unassigned, seeds a cluster with the free tokens like it
         left = unassigned[:, :count]
-        word, bit = divmod(p, _WORD)
+        word, bit = divmod(p, table.word_bits)
         seeding = (left[:, :, word] >> bit).bitwise_and_(1)
         seeded[:, :count].add_(seeding)
         members = joins[p, :, :count].bitwise_and(left)

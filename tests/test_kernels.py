@@ -198,7 +198,8 @@ def _greedy_by_definition(similarity, chunk_ids, tau, protected):
     return torch.tensor(seeds)
 
 
-@pytest.mark.parametrize("longest", [9, 64, 150])  # one packed word, a full one, three (the unsorted path)
+# one int32 word, a full one (31 tokens), one int64 word (32 tokens), a full one, three (the unsorted path)
+@pytest.mark.parametrize("longest", [9, 31, 32, 64, 150])
 def test_packed_greedy_clustering_matches_its_definition(longest):
     g = torch.Generator().manual_seed(longest)
     num_tokens, heads = 300, 2
@@ -211,6 +212,7 @@ def test_packed_greedy_clustering_matches_its_definition(longest):
     tau = torch.tensor([[0.1, 0.3], [0.45, 0.5], [0.8, 0.9]])  # (K, H)
     table = gsc_ref.JoinTable.build([gsc_ref.chunk_similarity(keys, layout)], heads, layout)
     assert (table.masks is None) == (layout.width > 64)
+    assert table.masks is None or table.masks.dtype == (torch.int32 if layout.width <= 31 else torch.int64)
     clusters = gsc_ref.greedy_clusters(table, layout, tau, protected)
     seeds = clusters.seeds()
     unit = torch.nn.functional.normalize(keys, dim=-1)
@@ -229,6 +231,11 @@ def test_pack_rows_sets_one_bit_per_true_entry():
     words = gsc_ref.pack_rows(mask)
     assert words.shape == (2, 3) and words.dtype == torch.int64
     assert words[0].tolist() == [1 | -(2**63), 1, 2] and words[1].tolist() == [32, 0, 0]
+    short = gsc_ref.pack_rows(mask[:, :31], torch.int32)
+    assert short.shape == (2, 1) and short.dtype == torch.int32
+    assert short[:, 0].tolist() == [1, 32]
+    mask[0, 30] = True
+    assert gsc_ref.pack_rows(mask[:, :31], torch.int32)[0, 0] == 1 + 2**30
 
 
 # -- kernels in the interpreter (tiny odd shapes)

@@ -286,8 +286,24 @@ def test_layers_clustered_together_equal_layers_clustered_alone(tiny_model, tiny
 
     engine = Engine(tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(tau=0.2), prefill_chunk=128)
     together = engine.read(document_text, progress=False)
-    monkeypatch.setattr(semanticache, "_GROUP_BYTES", 0)  # one layer at a time
-    alone = engine.read(document_text, progress=False)
     assert len(together.layers) > 1 and together.entries_removed > 0.1
-    for grouped, single in zip(together.layers, alone.layers, strict=True):
-        assert torch.equal(grouped.sizes, single.sizes) and torch.equal(grouped.keys, single.keys)
+    heads = together.layers[0].keys.shape[1]
+    assert heads >= 2
+    cost = 1_000_000
+    monkeypatch.setattr(semanticache, "_grid_bytes", lambda keys, layout: cost)
+    monkeypatch.setattr(semanticache, "_FLOOR_BYTES", cost)
+    calls = []
+    original = semanticache.SemantiCacheCompressor._compress_layers
+
+    def counted(self, keys_values, plan):
+        calls.append((len(keys_values), keys_values[0][0].shape[1]))
+        return original(self, keys_values, plan)
+
+    monkeypatch.setattr(semanticache.SemantiCacheCompressor, "_compress_layers", counted)
+    for group_bytes, shape in ((cost, (1, heads)), (cost * (heads - 1) // heads, (1, heads - 1)), (0, (1, 1))):
+        monkeypatch.setattr(semanticache, "_GROUP_BYTES", group_bytes)  # one layer, fewer heads, one head at once
+        calls.clear()
+        alone = engine.read(document_text, progress=False)
+        assert calls[0] == shape, calls
+        for grouped, single in zip(together.layers, alone.layers, strict=True):
+            assert torch.equal(grouped.sizes, single.sizes) and torch.equal(grouped.keys, single.keys)

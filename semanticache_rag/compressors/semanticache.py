@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 _MAX_WIDTH = 512  # longest chunk coarsening may build
 _SEARCH_WAYS = 4  # tau candidates per head clustered at once in each round of the search
 _GROUP_BYTES = 32 * 2**20  # similarity grids (and their thresholded copies) of the layers clustered together
+# what clustering may take before any layer has been compressed: less than a read's own activations at the
+# end of its prefill (e.g. 2 x 1,024 tokens x 1,536 float32 MLP activations, 12 MiB, for the default model)
+_FLOOR_BYTES = 8 * 2**20
 _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess that the search also tries
 
 
@@ -257,27 +260,52 @@ class SemantiCacheCompressor(Compressor):
         (their heads side by side), so that each step of the greedy loop and each round of the tau
         search covers them all at once.
 
-        A group's similarity grids take at most what the layers compressed before it gave back (their
-        full keys and values less their cores), within :data:`_GROUP_BYTES`, or one layer's grid: the
-        peak memory of a read stays that of clustering one layer.
+        A group's similarity tables take at most :data:`_FLOOR_BYTES` plus what the layers compressed
+        before it gave back (their full keys and values less their cores), within
+        :data:`_GROUP_BYTES`; a layer whose table alone takes more is clustered a few heads at a time.
+        Compression then adds little to the peak memory of a read, which holds every layer's full KV
+        when it starts.
         """
         plans = self.layer_plans(self.prepare(context), len(keys_values), context)
         layers: list[LayerKV] = []
         start, freed = 0, 0
         while start < len(keys_values):
-            end = start + 1
+            end, heads = start + 1, keys_values[start][0].shape[1]
             if self._on_grid(keys_values[start][0]):
                 cost = _grid_bytes(keys_values[start][0], plans[start].layout)
-                allowance = max(cost, min(_GROUP_BYTES, freed))
+                allowance = min(_GROUP_BYTES, _FLOOR_BYTES + freed)
                 while end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * cost <= allowance:
                     end += 1
-            group = self._compress_layers(keys_values[start:end], plans[start])
+                heads = min(heads, max(1, allowance * heads // cost))
+            clusters = self.tau is not None or plans[start].target < keys_values[start][0].shape[2]
+            if clusters and end - start == 1 and heads < keys_values[start][0].shape[1]:
+                keys, values = keys_values[start]
+                group = [self._compress_heads(keys, values, plans[start], heads)]
+            else:
+                group = self._compress_layers(keys_values[start:end], plans[start])
             freed += sum(k.nbytes + v.nbytes for k, v in keys_values[start:end]) - sum(g.nbytes for g in group)
             layers.extend(group)
             if context.release_layers:  # the list's references were the last ones to these layers' full KV
                 keys_values[start:end] = [None] * (end - start)
             start = end
         return tuple(layers)
+
+    def _compress_heads(self, keys: torch.Tensor, values: torch.Tensor, plan: _Plan, at_once: int) -> LayerKV:
+        """One layer clustered ``at_once`` heads at a time (the same clustering, less memory at once)."""
+        parts = [
+            self._compress_layers([(keys[:, h : h + at_once], values[:, h : h + at_once])], plan)[0]
+            for h in range(0, keys.shape[1], at_once)
+        ]
+        entries = max(part.keys.shape[2] for part in parts)
+
+        def padded(tensor: torch.Tensor) -> torch.Tensor:  # shorter heads end in size-0 padding, as merge pads
+            return torch.nn.functional.pad(
+                tensor, (0, 0, 0, entries - tensor.shape[2]) if tensor.dim() == 4 else (0, entries - tensor.shape[2])
+            )
+
+        return LayerKV(
+            *(torch.cat([padded(getattr(part, name)) for part in parts], 1) for name in ("keys", "values", "sizes"))
+        )
 
     def _compress_layers(self, keys_values, plan: _Plan) -> list[LayerKV]:
         """Layers (keys, values) (1, H_kv, N, D) sharing ``plan``, clustered together."""
