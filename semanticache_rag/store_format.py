@@ -362,6 +362,11 @@ def _rebuild(manifest: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec):
     for i, record in enumerate(storage):
         layers.append(_layer(tensors, i, record, layers, model_layers[i].keys, spec.device))
     zoom = _zoom({k.removeprefix("zoom."): v for k, v in tensors.items() if k.startswith("zoom.")}, manifest)
+    if zoom is not None:
+        try:
+            zoom.check(layers)
+        except ValueError as exc:
+            raise EntryRejected(f"zoom state: {exc}") from exc
     return prefix_ids, token_pages, tuple(layers), zoom
 
 

@@ -195,6 +195,9 @@ def test_cores_state_dict_round_trip_and_damage_is_refused(engine, document_text
     question = engine.ask(cache, "Who may copy it?", max_new_tokens=6)
     reloaded = engine.ask(dataclasses.replace(cache, zoom=again), "Who may copy it?", max_new_tokens=6)
     assert reloaded.completion_ids == question.completion_ids
+    again.check(cache.layers)
+    with pytest.raises(ValueError, match="do not match"):
+        again.check(cache.layers[1:])
     state["entry_chunk.0"] = state["entry_chunk.0"] + cache.zoom.merged.numel()  # chunks that do not exist
     with pytest.raises(ValueError, match="do not match"):
         zoom_from_state_dict(state)

@@ -503,6 +503,9 @@ class FakeSpanIndex:
     def from_state_dict(cls, state):
         return cls(dict(state))
 
+    def check(self, layers):
+        pass
+
 
 def with_zoom(engine, doc, state):
     """What a zooming compressor's read computes: a cache with host-side span state."""
@@ -736,3 +739,26 @@ def test_kept_uploads_are_found_by_id_and_a_damaged_one_is_left_in_place(tmp_pat
     assert record.read_text() == damaged  # the user's text is never deleted for failing a check
     store.forget_upload(document)
     assert not record.exists()
+
+
+def test_sekv_zoom_state_that_does_not_fit_its_layers_is_rejected(tiny_llama, tiny_tokenizer, store_dir, document_text):
+    import hashlib
+
+    from safetensors.torch import load, save
+
+    from semanticache_rag import SeKVCompressor
+
+    first = make_engine(tiny_llama, tiny_tokenizer, store_dir, SeKVCompressor())
+    expected = answer(first, first.read(document_text, progress=False))
+    manifest, tensors = first.store._paths(first.store.key(first, document_from_text(document_text)).id)
+    loaded = load(tensors.read_bytes())
+    loaded["zoom.entry_chunk.0"] = loaded["zoom.entry_chunk.0"][:, :-1].contiguous()  # one core short
+    data = save(loaded)
+    tensors.write_bytes(data)
+    m = json.loads(manifest.read_text())
+    m["tensors"]["sha256"] = hashlib.sha256(data).hexdigest()  # consistent bytes, inconsistent content
+    manifest.write_text(json.dumps(m))
+    again = fresh(first)
+    cache = again.read(document_text, progress=False)
+    assert again.store.stats.rejected == 1 and again.store.stats.misses == 1
+    assert answer(again, cache) == expected

@@ -156,6 +156,11 @@ class SpanIndex:
                     state[f"{b}.{name}.left"] = left
         return state
 
+    def check(self, layers) -> None:
+        """Raise ValueError unless this index describes ``layers`` (one summary entry per span)."""
+        if any(layer.keys.shape[2] != self.start.numel() for layer in layers):
+            raise ValueError("the zoom state's spans do not match the layers' entries")
+
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor]) -> SpanIndex:
         zoom_tokens, rank, *widths = state["config"].tolist()
@@ -267,6 +272,13 @@ class CoreIndex:
         state["merged"] = self.merged
         state.update({f"entry_chunk.{i}": entries for i, entries in enumerate(self.entry_chunk)})
         return state
+
+    def check(self, layers) -> None:
+        """Raise ValueError unless this index gives a chunk for every core of ``layers``."""
+        if len(layers) != len(self.entry_chunk) or any(
+            entries.shape != layer.keys.shape[1:3] for entries, layer in zip(self.entry_chunk, layers)
+        ):
+            raise ValueError("the zoom state's chunks do not match the layers' cores")
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor]) -> CoreIndex:
