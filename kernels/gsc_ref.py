@@ -143,15 +143,16 @@ class JoinTable:
         masks = torch.empty(*similarity.shape[:-1], width + 1, dtype=word_dtype(width), device=similarity.device)
         ranked = masks[..., 1:]  # which token is each row's r-th most similar
         one = torch.ones((), dtype=masks.dtype, device=masks.device)
-        order_of = torch.empty(similarity.shape[1:], dtype=torch.int64, device=similarity.device)
-        for row in range(heads):  # sort's indices are int64: one head at a time beside int32 masks
-            torch.sort(similarity[row].neg_(), -1, out=(similarity[row], order_of))  # in place, most similar first
-            torch.bitwise_left_shift(one, order_of.to(masks.dtype), out=ranked[row])
-        del order_of
-        ranked.cumsum_(-1)  # distinct bits: a running sum is a running OR
-        masks[..., 0] = 0
         # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
-        masks |= torch.bitwise_left_shift(one, torch.arange(width, device=masks.device))[:, None]
+        own = torch.bitwise_left_shift(one, torch.arange(width, device=masks.device))[:, None]  # (W, 1)
+        order_of = torch.empty(similarity.shape[1:], dtype=torch.int64, device=similarity.device)
+        for row in range(heads):  # one head at a time: sort's indices are int64, and the temporaries
+            torch.sort(similarity[row].neg_(), -1, out=(similarity[row], order_of))  # in place, most similar first
+            bits = torch.bitwise_left_shift(one, order_of.to(masks.dtype))
+            ranked[row] = bits.cumsum_(-1).bitwise_or_(own)  # distinct bits: a running sum is a running OR
+            masks[row, ..., 0] = own[:, 0]
+            del bits
+        del order_of
         return cls(order, token_rank, active, similarity, masks)
 
     def joins(self, tau: torch.Tensor) -> torch.Tensor:

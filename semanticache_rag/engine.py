@@ -6,8 +6,9 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,11 +43,41 @@ class Prefill:
     seconds: float
 
 
-# positions whose logits exist at once while reading with surprisal (12.6 MB for a 49K vocabulary): fewer
-# bytes than a prefill chunk's own temporaries, so that surprisal does not raise a read's peak memory
+# positions whose logits exist at once while reading with surprisal, and how many of their vocabulary's
+# logits at a time (2 MB for the default model): fewer bytes than a prefill chunk's own temporaries, so
+# that surprisal does not raise a read's peak memory (the whole vocabulary at once was 12.6 MB, +8 MiB
+# over an uncompressed read's peak at 7K tokens)
 _SURPRISAL_ROWS = 64
+_VOCABULARY_BLOCK = 8192
 # causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
 _PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def _neg_log_probs(rows: torch.Tensor, wanted: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """``-log p`` of ``wanted`` (R,) under the logits ``rows @ weight.T`` (or ``rows`` themselves when ``weight``
+    is None), :data:`_VOCABULARY_BLOCK` logits of each row at a time with a running logsumexp."""
+    blocks: Iterable[tuple[int, torch.Tensor]]
+    if weight is None:
+        blocks = [(0, rows.float())]
+    else:
+        blocks = (
+            (v, F.linear(rows.to(weight.dtype), weight[v : v + _VOCABULARY_BLOCK]))
+            for v in range(0, weight.shape[0], _VOCABULARY_BLOCK)
+        )
+    top = torch.full((len(wanted),), float("-inf"), device=rows.device)
+    total = torch.zeros(len(wanted), device=rows.device)
+    picked = torch.zeros(len(wanted), device=rows.device)
+    for first, logits in blocks:
+        logits = logits.float()
+        inside = (wanted >= first) & (wanted < first + logits.shape[1])
+        picked += torch.where(
+            inside, logits.gather(1, (wanted - first).clamp(0, logits.shape[1] - 1)[:, None])[:, 0], 0
+        )
+        peak = torch.maximum(top, logits.amax(dim=-1))
+        # in place (the block is not needed after): no second (rows, block) tensor
+        total = total * (top - peak).exp() + logits.sub_(peak[:, None]).exp_().sum(dim=-1)
+        top = peak
+    return total.log() + top - picked
 
 
 class Engine:
@@ -358,24 +389,26 @@ class Engine:
         vocabulary) tensor is ever whole in memory (100 MB per 512 tokens for a 49K vocabulary); others
         compute the chunk's logits.
         """
+        head = None  # the output head when it has no plain weight (a converted layer): applied per block of rows
+        weight = None
         if getattr(self.model, "semanticache_forward", None) is None and type(self.model).__name__ not in _PLAIN_HEAD:
             outputs = self._run(kv, chunk, start, len(chunk), head=True)  # the logits themselves
-            head = None
         else:  # converted weights may keep a head for many positions at once (semanticache_rag.weights)
             outputs = self._run(kv, chunk, start, len(chunk), head=False)  # final hidden states
             reading = getattr(self.model, "semanticache_reading_head", None)
-            head = self.model.get_output_embeddings() if reading is None else partial(F.linear, weight=reading.weight)
+            head = reading if reading is not None else self.model.get_output_embeddings()
+            weight = getattr(head, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point():
+                head = None
+            else:
+                weight = None
         out = torch.empty(len(targets))
         with torch.inference_mode():
             for row in range(0, len(targets), _SURPRISAL_ROWS):
                 wanted = targets[row : row + _SURPRISAL_ROWS]
                 rows = outputs[row : row + len(wanted)]
-                logits = (head(rows) if head is not None else rows).float()
-                picked = logits.gather(1, wanted[:, None])[:, 0]
-                # logsumexp in place (the logits are not needed after): no second (rows, vocabulary) tensor
-                top = logits.amax(dim=-1)
-                total = logits.sub_(top[:, None]).exp_().sum(dim=-1)
-                out[row : row + len(wanted)] = total.log_() + top - picked
+                rows = head(rows) if head is not None else rows
+                out[row : row + len(wanted)] = _neg_log_probs(rows, wanted.to(rows.device), weight).cpu()
         return out
 
     def generate_uncached(self, cache: DocumentCache, turns, max_new_tokens: int = 256) -> str:

@@ -41,6 +41,7 @@ from semanticache_rag.kernels.gsc_ref import (
     count_clusters,
     greedy_clusters,
     merge_clusters,
+    word_dtype,
 )
 from semanticache_rag.kv import LayerKV
 
@@ -57,8 +58,13 @@ _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess tha
 
 def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> int:
     """Bytes one layer takes while clustered on the torch grid: its (H, C, W, W) similarity, sorted
-    (float32) beside the (H, C, W, W + 1) packed masks of its rows (int64, :class:`~.gsc_ref.JoinTable`)."""
-    return keys.shape[1] * layout.num_chunks * layout.width * (12 * layout.width + 8)
+    (float32) beside the (H, C, W, W + 1) packed masks of its rows (int32 or int64 words,
+    :class:`~.gsc_ref.JoinTable`), and, while the table is built (one head at a time), a head's
+    (C, W, D) grid of unit keys, its (C, W, W) similarity and its sort's int64 indices."""
+    heads, dim = keys.shape[1], keys.shape[3]
+    cells = layout.num_chunks * layout.width
+    word = torch.iinfo(word_dtype(layout.width)).bits // 8
+    return heads * cells * (4 * layout.width + word * (layout.width + 1)) + cells * (4 * dim + 12 * layout.width)
 
 
 def _seeds_at(cluster, tau: torch.Tensor) -> torch.Tensor:
@@ -342,11 +348,12 @@ class SemantiCacheCompressor(Compressor):
         device = keys.device
         if self._on_grid(keys):
             layout, protected = plan.layout.to(device), plan.protected.to(device)
-            table = JoinTable.build(
-                (self._similarity(layer_keys, layer_values, layout) for layer_keys, layer_values in keys_values),
-                keys.shape[1] * len(keys_values),
-                layout,
+            grids = (  # one head at a time: a head's grid of unit keys is the largest temporary of the build
+                self._similarity(layer_keys[:, h : h + 1], layer_values[:, h : h + 1], layout)
+                for layer_keys, layer_values in keys_values
+                for h in range(layer_keys.shape[1])
             )
+            table = JoinTable.build(grids, keys.shape[1] * len(keys_values), layout)
             rows = torch.arange(table.similarity.shape[0])
 
             def on_grid(tau):
