@@ -60,12 +60,26 @@ class ChunkLayout:
         return int(self.chunk_start.numel())
 
 
+CHUNK_BLOCK = 256  # chunks whose padded grid of unit keys (and sort indices) exist at once
+
+
 def chunk_similarity(keys: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-    """Cosine similarity of keys inside each chunk: keys (H, N, D) -> (H, C, W, W)."""
-    heads, _, dim = keys.shape
-    grid = keys.new_zeros(heads, layout.num_chunks, layout.width, dim)
-    grid[:, layout.token_chunk, layout.token_slot] = F.normalize(keys.float(), dim=-1).to(keys.dtype)
-    return grid @ grid.transpose(-1, -2)
+    """Cosine similarity of keys inside each chunk: keys (H, N, D) -> (H, C, W, W).
+
+    The padded (H, chunks, W, D) grid of unit keys is built :data:`CHUNK_BLOCK` chunks at a time
+    (it is larger than the similarity itself when chunks are wider than the head dimension is long).
+    """
+    heads, num_tokens, dim = keys.shape
+    unit = F.normalize(keys.float(), dim=-1).to(keys.dtype)
+    similarity = keys.new_empty(heads, layout.num_chunks, layout.width, layout.width)
+    bounds = torch.cat([layout.chunk_start, layout.chunk_start.new_tensor([num_tokens])]).tolist()
+    for first in range(0, layout.num_chunks, CHUNK_BLOCK):
+        last = min(first + CHUNK_BLOCK, layout.num_chunks)
+        tokens = slice(bounds[first], bounds[last])  # chunks are contiguous runs of tokens
+        grid = keys.new_zeros(heads, last - first, layout.width, dim)
+        grid[:, layout.token_chunk[tokens] - first, layout.token_slot[tokens]] = unit[:, tokens]
+        torch.matmul(grid, grid.transpose(-1, -2), out=similarity[:, first:last])
+    return similarity
 
 
 _WORD = 64  # tokens per int64 word of a packed row
@@ -145,14 +159,15 @@ class JoinTable:
         one = torch.ones((), dtype=masks.dtype, device=masks.device)
         # A seed always joins its own cluster, even when rounding puts its self-similarity below tau.
         own = torch.bitwise_left_shift(one, torch.arange(width, device=masks.device))[:, None]  # (W, 1)
-        order_of = torch.empty(similarity.shape[1:], dtype=torch.int64, device=similarity.device)
-        for row in range(heads):  # one head at a time: sort's indices are int64, and the temporaries
-            torch.sort(similarity[row].neg_(), -1, out=(similarity[row], order_of))  # in place, most similar first
-            bits = torch.bitwise_left_shift(one, order_of.to(masks.dtype))
-            ranked[row] = bits.cumsum_(-1).bitwise_or_(own)  # distinct bits: a running sum is a running OR
-            masks[row, ..., 0] = own[:, 0]
-            del bits
-        del order_of
+        masks[..., 0] = own[:, 0]
+        for row in range(heads):  # a block of one head at a time: sort's indices are int64, and the temporaries
+            for first in range(0, layout.num_chunks, CHUNK_BLOCK):
+                block = (row, slice(first, first + CHUNK_BLOCK))
+                values, order_of = torch.sort(similarity[block].neg_(), -1)  # most similar first
+                similarity[block] = values
+                bits = torch.bitwise_left_shift(one, order_of.to(masks.dtype))
+                ranked[block] = bits.cumsum_(-1).bitwise_or_(own)  # distinct bits: a running sum is a running OR
+                del values, order_of, bits
         return cls(order, token_rank, active, similarity, masks)
 
     def joins(self, tau: torch.Tensor) -> torch.Tensor:

@@ -203,3 +203,15 @@ def test_cores_state_dict_round_trip_and_damage_is_refused(engine, document_text
         zoom_from_state_dict(state)
     with pytest.raises(ConfigError, match="summary must be one of"):
         SeKVCompressor(summary="chunks")
+
+
+def test_cores_summary_of_a_short_text_takes_the_whole_budget(engine):
+    """When the template and sink tokens alone fill the summary's share, the zoom's share goes to the summary."""
+    text = "Short text about who may copy it. " * 20
+    compressor = SeKVCompressor(0.7, summary="cores")
+    cache = _read(engine, text, compressor)
+    summary, zoom = compressor.budgets(cache.length)
+    template = int(engine.prefill(text, progress=False).pages.lt(0).sum()) + compressor.sink_tokens
+    assert summary <= template < summary + zoom  # the case this test is about
+    assert summary < int(cache.layers[0].sizes.gt(0).sum(-1).max()) <= summary + zoom
+    assert cache.zoom is None or cache.zoom.zoom_tokens == 0

@@ -599,6 +599,9 @@ class SeKVCompressor(Compressor):
         """SemantiCache's cores at the summary budget, and the host copy of every chunk they merged."""
         num_tokens = context.token_ids.numel()
         summary, zoom = self.budgets(num_tokens)
+        whole = int(context.protected[self.sink_tokens :].sum()) + min(self.sink_tokens, num_tokens)
+        if self.zoom_tokens is None and whole >= summary:  # short documents: the summary comes first
+            summary, zoom = summary + zoom, 0
         inner = SemantiCacheCompressor(
             target_tokens=min(summary, num_tokens), sink_tokens=self.sink_tokens, window_tokens=self.window_tokens
         )

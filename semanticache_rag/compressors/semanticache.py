@@ -35,6 +35,7 @@ from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
 from semanticache_rag.kernels.gsc_ref import (
+    CHUNK_BLOCK,
     ChunkLayout,
     JoinTable,
     chunk_similarity,
@@ -59,12 +60,14 @@ _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess tha
 def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> int:
     """Bytes one layer takes while clustered on the torch grid: its (H, C, W, W) similarity, sorted
     (float32) beside the (H, C, W, W + 1) packed masks of its rows (int32 or int64 words,
-    :class:`~.gsc_ref.JoinTable`), and, while the table is built (one head at a time), a head's
-    (C, W, D) grid of unit keys, its (C, W, W) similarity and its sort's int64 indices."""
-    heads, dim = keys.shape[1], keys.shape[3]
-    cells = layout.num_chunks * layout.width
-    word = torch.iinfo(word_dtype(layout.width)).bits // 8
-    return heads * cells * (4 * layout.width + word * (layout.width + 1)) + cells * (4 * dim + 12 * layout.width)
+    :class:`~.gsc_ref.JoinTable`), and, while the table is built (one head at a time), a head's unit
+    keys and (C, W, W) similarity, and a block of chunks' grid and sort."""
+    heads, dim, width = keys.shape[1], keys.shape[3], layout.width
+    cells = layout.num_chunks * width  # at least the tokens
+    word = torch.iinfo(word_dtype(width)).bits // 8
+    table = heads * cells * (4 * width + word * (width + 1))
+    head = 8 * keys.shape[2] * dim + 4 * cells * width  # its keys as float32 and unit vectors, its similarity
+    return table + head + min(CHUNK_BLOCK, layout.num_chunks) * width * (4 * dim + 16 * width)
 
 
 def _seeds_at(cluster, tau: torch.Tensor) -> torch.Tensor:
