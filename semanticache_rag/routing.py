@@ -103,23 +103,17 @@ class AttentionRouter:
 
     def scores(self, engine, tail: list[int]) -> np.ndarray:
         """Score of every section (S,) for the question's tokens ``tail``."""
-        from semanticache_rag.kv import ConversationKV
+        from semanticache_rag.compressors.sekv import question_attention
 
         total = torch.zeros(self.size)
 
-        def observe(layer_idx, query, document, scaling):
-            batch, heads, _, dim = query.shape
-            q = query.reshape(batch, document.keys.shape[1], -1, dim)
-            logits = (q @ document.keys.transpose(-1, -2)).float() * scaling + document.log_sizes[:, :, None, :]
-            attention = torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu()
+        def best_entry(layer_idx, attention):  # (H, E): each section's best entry, max over heads
             owners = self.owners[layer_idx]
             mask = owners >= 0
-            best = torch.zeros(self.size).scatter_reduce_(0, owners[mask], attention[mask], reduce="amax")
+            best = torch.zeros(self.size).scatter_reduce_(0, owners[mask], attention.amax(0)[mask], reduce="amax")
             total.add_(best)
 
-        kv = ConversationKV(self.layers)
-        kv.observe = observe
-        engine.forward(kv, tail, self.start)
+        question_attention(engine, self.layers, self.start, tail, best_entry)
         return total.numpy()
 
 

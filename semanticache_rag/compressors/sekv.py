@@ -172,10 +172,10 @@ class SpanIndex:
         return cls(state["start"], state["length"], widths, entries, factors, zoom_tokens, rank)
 
 
-def entry_scores(engine, cache, tail: list[int]) -> torch.Tensor:
-    """Attention each document entry of ``cache`` gets from ``tail`` (E,): max over heads and tokens,
-    summed over layers (the question runs once over the summary)."""
-    total = torch.zeros(cache.layers[0].keys.shape[2])
+def question_attention(engine, layers, start: int, tail: list[int], each) -> None:
+    """Run ``tail`` once over document ``layers`` from position ``start``; call ``each(layer_idx, attention)``
+    with the attention (H_kv, E) each document entry gets in that layer, max over the question's tokens and
+    the query heads of a KV head."""
 
     def observe(layer_idx, query, document, scaling):
         batch, heads, num_queries, dim = query.shape
@@ -184,11 +184,20 @@ def entry_scores(engine, cache, tail: list[int]) -> torch.Tensor:
         logits = (q @ document.keys.transpose(-1, -2)).float() * scaling
         if document.log_sizes is not None:
             logits = logits + document.log_sizes[:, :, None, :]
-        total.add_(torch.softmax(logits, -1).amax(dim=(0, 1, 2)).cpu())
+        each(layer_idx, torch.softmax(logits, -1).amax(dim=(0, 2)).cpu())
 
-    kv = ConversationKV(cache.layers)
+    kv = ConversationKV(layers)
     kv.observe = observe
-    engine.forward(kv, tail, cache.positions)
+    engine.forward(kv, tail, start)
+
+
+def entry_scores(engine, cache, tail: list[int]) -> torch.Tensor:
+    """Attention each document entry of ``cache`` gets from ``tail`` (E,): max over heads and tokens,
+    summed over layers (the question runs once over the summary)."""
+    total = torch.zeros(cache.layers[0].keys.shape[2])
+    question_attention(
+        engine, cache.layers, cache.positions, tail, lambda layer_idx, attention: total.add_(attention.amax(0))
+    )
     return total
 
 
@@ -358,21 +367,12 @@ def _zoom_cores(index, engine, cache, tail: list[int], length: torch.Tensor):
     chunks = index.merged.numel()
     scores = torch.zeros(chunks + 1)  # the last column collects padding and the spliced head (-1)
 
-    def observe(layer_idx, query, document, scaling):
-        batch, heads, num_queries, dim = query.shape
-        kv_heads = document.keys.shape[1]
-        q = query.reshape(batch, kv_heads, -1, dim)
-        logits = (q @ document.keys.transpose(-1, -2)).float() * scaling
-        if document.log_sizes is not None:
-            logits = logits + document.log_sizes[:, :, None, :]
-        attention = torch.softmax(logits, -1).amax(dim=(0, 2)).cpu()  # (H, E)
+    def best_core(layer_idx, attention):  # attention (H, E) -> its chunks' best core, max over heads
         column = _columns(index.entry_chunk[layer_idx], attention.shape[1], chunks)
-        best = torch.zeros(kv_heads, chunks + 1).scatter_reduce_(1, column, attention, "amax")
+        best = torch.zeros(attention.shape[0], chunks + 1).scatter_reduce_(1, column, attention, "amax")
         scores.add_(best.amax(0))
 
-    kv = ConversationKV(cache.layers)
-    kv.observe = observe
-    engine.forward(kv, tail, cache.positions)
+    question_attention(engine, cache.layers, cache.positions, tail, best_core)
     candidates = torch.where(index.merged, length, 1)  # chunks kept whole are no candidates
     selected = select_spans(scores[:chunks], candidates, index.zoom_tokens)
     if selected.numel() == 0:
