@@ -290,8 +290,7 @@ def test_layers_clustered_together_equal_layers_clustered_alone(tiny_model, tiny
     heads = together.layers[0].keys.shape[1]
     assert heads >= 2
     cost = 1_000_000
-    monkeypatch.setattr(semanticache, "_grid_bytes", lambda keys, layout: cost)
-    monkeypatch.setattr(semanticache, "_FLOOR_BYTES", cost)
+    monkeypatch.setattr(semanticache, "_grid_bytes", lambda keys, layout: (cost, 0))
     calls = []
     original = semanticache.SemantiCacheCompressor._compress_layers
 
@@ -300,8 +299,9 @@ def test_layers_clustered_together_equal_layers_clustered_alone(tiny_model, tiny
         return original(self, keys_values, plan)
 
     monkeypatch.setattr(semanticache.SemantiCacheCompressor, "_compress_layers", counted)
-    for group_bytes, shape in ((cost, (1, heads)), (cost * (heads - 1) // heads, (1, heads - 1)), (0, (1, 1))):
-        monkeypatch.setattr(semanticache, "_GROUP_BYTES", group_bytes)  # one layer, fewer heads, one head at once
+    for floor, shape in ((cost, (1, heads)), (cost * (heads - 1) // heads, (1, heads - 1)), (0, (1, 1))):
+        monkeypatch.setattr(semanticache, "_GROUP_BYTES", cost)  # one layer at most
+        monkeypatch.setattr(semanticache, "_FLOOR_BYTES", floor)  # one layer, fewer heads, one head at once
         calls.clear()
         alone = engine.read(document_text, progress=False)
         assert calls[0] == shape, calls

@@ -57,17 +57,19 @@ _FLOOR_BYTES = 8 * 2**20
 _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess that the search also tries
 
 
-def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> int:
-    """Bytes one layer takes while clustered on the torch grid: its (H, C, W, W) similarity, sorted
-    (float32) beside the (H, C, W, W + 1) packed masks of its rows (int32 or int64 words,
-    :class:`~.gsc_ref.JoinTable`), and, while the table is built (one head at a time), a head's unit
-    keys and (C, W, W) similarity, and a block of chunks' grid and sort."""
+def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> tuple[int, int]:
+    """Bytes one layer takes while clustered on the torch grid: (its table, the build's temporaries).
+
+    The table is the (H, C, W, W) similarity, sorted (float32), beside the (H, C, W, W + 1) packed masks
+    of its rows (int32 or int64 words, :class:`~.gsc_ref.JoinTable`). The table is built one head at a
+    time, a block of chunks at a time, so the temporaries (a head's unit keys and similarity, a block's
+    grid and sort) do not add up over the heads and layers of a group."""
     heads, dim, width = keys.shape[1], keys.shape[3], layout.width
     cells = layout.num_chunks * width  # at least the tokens
     word = torch.iinfo(word_dtype(width)).bits // 8
     table = heads * cells * (4 * width + word * (width + 1))
     head = 8 * keys.shape[2] * dim + 4 * cells * width  # its keys as float32 and unit vectors, its similarity
-    return table + head + min(CHUNK_BLOCK, layout.num_chunks) * width * (4 * dim + 16 * width)
+    return table, head + min(CHUNK_BLOCK, layout.num_chunks) * width * (4 * dim + 16 * width)
 
 
 def _seeds_at(cluster, tau: torch.Tensor) -> torch.Tensor:
@@ -269,9 +271,10 @@ class SemantiCacheCompressor(Compressor):
         (their heads side by side), so that each step of the greedy loop and each round of the tau
         search covers them all at once.
 
-        A group's similarity tables take at most :data:`_FLOOR_BYTES` plus what the layers compressed
-        before it gave back (their full keys and values less their cores), within
-        :data:`_GROUP_BYTES`; a layer whose table alone takes more is clustered a few heads at a time.
+        A group's similarity tables (and the temporaries of building them) take at most
+        :data:`_FLOOR_BYTES` plus what the layers compressed before it gave back (their full keys and
+        values less their cores); a layer whose table alone takes more is clustered a few heads at a
+        time. Several layers are grouped only within :data:`_GROUP_BYTES`.
         Compression then adds little to the peak memory of a read, which holds every layer's full KV
         when it starts.
         """
@@ -281,11 +284,13 @@ class SemantiCacheCompressor(Compressor):
         while start < len(keys_values):
             end, heads = start + 1, keys_values[start][0].shape[1]
             if self._on_grid(keys_values[start][0]):
-                cost = _grid_bytes(keys_values[start][0], plans[start].layout)
-                allowance = min(_GROUP_BYTES, _FLOOR_BYTES + freed)
-                while end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * cost <= allowance:
+                table, build = _grid_bytes(keys_values[start][0], plans[start].layout)
+                room = _FLOOR_BYTES + freed - build  # for tables, on top of the full KV of the layers left
+                if table > room:  # not even one layer's: a few heads at a time
+                    heads = max(1, room * heads // table)
+                cap = min(_GROUP_BYTES, room)  # more layers only within the group cap
+                while end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * table <= cap:
                     end += 1
-                heads = min(heads, max(1, allowance * heads // cost))
             clusters = self.tau is not None or plans[start].target < keys_values[start][0].shape[2]
             if clusters and end - start == 1 and heads < keys_values[start][0].shape[1]:
                 keys, values = keys_values[start]
