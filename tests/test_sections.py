@@ -286,23 +286,33 @@ def test_answers_name_the_pages_of_their_sections(long_engine):
     assert len(answer.pages) < len(document.pages)
 
 
+def _plain_and_exact_sekv(tiny_llama, tiny_tokenizer, long_text, summary):
+    """(engine, cache) of 9K characters read in sections uncompressed ("plain") and with SeKV whose host copies
+    are exact (rank = head dim) and whose zoom budget covers every span ("sekv"), contiguous positions (the
+    same sections fit either way)."""
+    from semanticache_rag import SeKVCompressor
+
+    exact = SeKVCompressor(0.5, zoom_tokens=100_000, rank=16, summary=summary)
+    read = {}
+    for name, compressor in (("plain", None), ("sekv", exact)):
+        engine = Engine(
+            tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, compressor=compressor
+        )
+        engine.positions = "contiguous"
+        read[name] = (engine, engine.read(long_text[:9000], progress=False))
+    return read
+
+
 @pytest.mark.parametrize("summary", ["spans", "cores"])
 def test_sekv_zooms_into_spliced_sections_and_exact_spans_give_the_plain_answer(
     tiny_llama, tiny_tokenizer, long_text, summary
 ):
     """Spans rebuilt from each section's host copy, moved with it: with exact copies (rank = head dim) and a
     zoom budget that covers every span, the answer is the uncompressed splice's, token for token."""
-    from semanticache_rag import SeKVCompressor
-
-    text = long_text[:9000]
-    answers = {}
-    exact = SeKVCompressor(0.5, zoom_tokens=100_000, rank=16, summary=summary)
-    for name, compressor in (("plain", None), ("sekv", exact)):
-        engine = Engine(
-            tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, compressor=compressor
-        )
-        engine.positions = "contiguous"  # the same sections fit either way
-        answers[name] = engine.ask(engine.read(text, progress=False), QUESTION, max_new_tokens=8)
+    answers = {
+        name: engine.ask(cache, QUESTION, max_new_tokens=8)
+        for name, (engine, cache) in _plain_and_exact_sekv(tiny_llama, tiny_tokenizer, long_text, summary).items()
+    }
     plain, sekv = answers["plain"], answers["sekv"]
     assert sekv.sections == plain.sections and sekv.spans_expanded > 0 and sekv.host_bytes > 0
     assert sekv.completion_ids == plain.completion_ids
@@ -375,17 +385,9 @@ def test_sekv_rebuilt_sections_attend_as_the_plain_splice(tiny_llama, tiny_token
     """With exact host copies and a zoom budget that covers every span, the zoomed working cache of spliced
     sections holds the plain splice's entries (rebuilt keys moved with their sections): any query attends
     to both alike."""
-    from semanticache_rag import SeKVCompressor
     from semanticache_rag.conversation import working_cache
 
-    text = long_text[:9000]
-    caches = {}
-    exact = SeKVCompressor(0.5, zoom_tokens=100_000, rank=16, summary=summary)
-    for name, compressor in (("plain", None), ("sekv", exact)):
-        engine = Engine(
-            tiny_llama, tiny_tokenizer, model_name="tiny", section_tokens=SECTION_TOKENS, compressor=compressor
-        )
-        caches[name] = (engine, engine.read(text, progress=False))
+    caches = _plain_and_exact_sekv(tiny_llama, tiny_tokenizer, long_text, summary)
     engine, sekv = caches["sekv"]
     plain = caches["plain"][1]
     chosen = [1, 3, 4]  # not the first: every section moves

@@ -263,11 +263,17 @@ class CoreIndex:
     def zoom_tokens(self) -> int:
         return self.chunks.zoom_tokens
 
+    @property
+    def length(self) -> torch.Tensor:
+        """Tokens per chunk (C,)."""
+        return self.chunks.length
+
     def working_kv(self, engine, cache, tail: list[int]) -> tuple[ConversationKV, ZoomInfo]:
         """A working cache for ``tail`` with the chunks it needs rebuilt at token level."""
-        return _zoom_cores(self, engine, cache, tail, self.chunks.length)
+        return _zoom_cores(self, engine, cache, tail)
 
-    def rebuild(self, selected: torch.Tensor, device, dtype):
+    def reconstruct(self, selected: torch.Tensor, device, dtype):
+        """Token-level keys and values of the ``selected`` chunks (:meth:`SpanIndex.reconstruct`)."""
         return self.chunks.reconstruct(selected, device, dtype)
 
     @classmethod
@@ -335,7 +341,7 @@ class SplicedCores:
             joined,
             [torch.cat(e, 1) for e in entry_chunk],  # entries after the last zooming section are padded when used
             torch.cat([index.merged for index in indexes]),
-            torch.cat([index.chunks.length for index in indexes]),
+            torch.cat([index.length for index in indexes]),
             inv_freqs,
         )
 
@@ -348,22 +354,15 @@ class SplicedCores:
         return sum(index.zoom_tokens for _, index, _ in self.parts)
 
     def working_kv(self, engine, cache, tail: list[int]) -> tuple[ConversationKV, ZoomInfo]:
-        return _zoom_cores(self, engine, cache, tail, self.length)
+        return _zoom_cores(self, engine, cache, tail)
 
-    def rebuild(self, selected: torch.Tensor, device, dtype):
-        keys, values = [], []
-        for first, index, delta in self.parts:
-            local = selected[(selected >= first) & (selected < first + index.merged.numel())] - first
-            rebuilt = index.rebuild(local, device, dtype) if local.numel() else None
-            if rebuilt is not None:
-                keys.append(_moved(rebuilt[0], delta, self.inv_freqs))
-                values.append(rebuilt[1])
-        return (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+    def reconstruct(self, selected: torch.Tensor, device, dtype):
+        return _reconstruct_sections(self.parts, selected, self.inv_freqs, device, dtype)
 
 
-def _zoom_cores(index, engine, cache, tail: list[int], length: torch.Tensor):
+def _zoom_cores(index, engine, cache, tail: list[int]):
     """:meth:`CoreIndex.working_kv` for one document or spliced sections (``index.entry_chunk``, ``merged``,
-    ``zoom_tokens``, ``rebuild``; ``length``: tokens per chunk)."""
+    ``length``, ``zoom_tokens``, ``reconstruct``)."""
     chunks = index.merged.numel()
     scores = torch.zeros(chunks + 1)  # the last column collects padding and the spliced head (-1)
 
@@ -373,11 +372,11 @@ def _zoom_cores(index, engine, cache, tail: list[int], length: torch.Tensor):
         scores.add_(best.amax(0))
 
     question_attention(engine, cache.layers, cache.positions, tail, best_core)
-    candidates = torch.where(index.merged, length, 1)  # chunks kept whole are no candidates
+    candidates = torch.where(index.merged, index.length, 1)  # chunks kept whole are no candidates
     selected = select_spans(scores[:chunks], candidates, index.zoom_tokens)
     if selected.numel() == 0:
         return ConversationKV(cache.layers), ZoomInfo(0, 0, cache.nbytes)
-    rebuilt = index.rebuild(selected, engine.device, cache.layers[0].keys.dtype)
+    rebuilt = index.reconstruct(selected, engine.device, cache.layers[0].keys.dtype)
     chosen = torch.zeros(chunks + 1, dtype=torch.bool)
     chosen[selected] = True
     keep = [
@@ -387,9 +386,18 @@ def _zoom_cores(index, engine, cache, tail: list[int], length: torch.Tensor):
     return zoomed_kv(cache, selected, rebuilt, len(tail), keep)
 
 
-def _moved(keys: torch.Tensor, delta: int, inv_freqs: list[torch.Tensor]) -> torch.Tensor:
-    """Rebuilt keys (L, H, T, D) moved by ``delta`` positions with their section, per layer's RoPE."""
-    return torch.stack([rotate_keys(k[None], delta, f)[0] for k, f in zip(keys, inv_freqs)])
+def _reconstruct_sections(parts, selected: torch.Tensor, inv_freqs: list[torch.Tensor], device, dtype):
+    """Token-level keys and values of the ``selected`` entries of spliced sections, per layer: (L, H, T, D)
+    each, or None. ``parts``: (first entry of the section, its index (``length``, ``reconstruct``), how far
+    its keys moved); rebuilt keys move the same way, per layer's RoPE."""
+    keys, values = [], []
+    for first, index, delta in parts:
+        local = selected[(selected >= first) & (selected < first + index.length.numel())] - first
+        rebuilt = index.reconstruct(local, device, dtype) if local.numel() else None
+        if rebuilt is not None:
+            keys.append(torch.stack([rotate_keys(k[None], delta, f)[0] for k, f in zip(rebuilt[0], inv_freqs)]))
+            values.append(rebuilt[1])
+    return (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
 
 
 def _columns(entry_chunk: torch.Tensor, entries: int, chunks: int) -> torch.Tensor:
@@ -425,15 +433,7 @@ class SplicedSpans:
             length[offset : offset + index.length.numel()] = index.length
         budget = sum(index.zoom_tokens for _, index, _ in self.parts)
         selected = select_spans(entry_scores(engine, cache, tail), length, budget)
-        keys, values = [], []
-        dtype = cache.layers[0].keys.dtype
-        for offset, index, delta in self.parts:
-            local = selected[(selected >= offset) & (selected < offset + index.length.numel())] - offset
-            rebuilt = index.reconstruct(local, engine.device, dtype) if local.numel() else None
-            if rebuilt is not None:
-                keys.append(_moved(rebuilt[0], delta, self.inv_freqs))
-                values.append(rebuilt[1])
-        rebuilt = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+        rebuilt = _reconstruct_sections(self.parts, selected, self.inv_freqs, engine.device, cache.layers[0].keys.dtype)
         return zoomed_kv(cache, selected, rebuilt, len(tail))
 
 
@@ -602,14 +602,15 @@ class SeKVCompressor(Compressor):
         whole = int(context.protected[self.sink_tokens :].sum()) + min(self.sink_tokens, num_tokens)
         if self.zoom_tokens is None and whole >= summary:  # short documents: the summary comes first
             summary, zoom = summary + zoom, 0
-        inner = SemantiCacheCompressor(
-            target_tokens=min(summary, num_tokens), sink_tokens=self.sink_tokens, window_tokens=self.window_tokens
-        )
-        layout = inner.prepare(context).layout
         if summary >= num_tokens:
             return tuple(LayerKV(k, v) for k, v in keys_values), None
+        inner = SemantiCacheCompressor(
+            target_tokens=summary, sink_tokens=self.sink_tokens, window_tokens=self.window_tokens
+        )
+        plan = inner.prepare(context)
+        layout = plan.layout
         chunks = self.span_index(keys_values, _spans(layout.token_slot == 0, zoom))
-        layers = inner.compress_document(keys_values, context)
+        layers = inner.compress_document(keys_values, context, plan)
         token_chunk = layout.token_chunk.cpu()
         entry_chunk, merged = [], torch.zeros(layout.num_chunks + 1, dtype=torch.bool)
         for layer in layers:

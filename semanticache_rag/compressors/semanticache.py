@@ -266,7 +266,9 @@ class SemantiCacheCompressor(Compressor):
     def compress(self, keys, values, context, plan: _Plan) -> LayerKV:
         return self._compress_layers([(keys, values)], plan)[0]
 
-    def compress_document(self, keys_values, context: CompressionContext) -> tuple[LayerKV, ...]:
+    def compress_document(
+        self, keys_values, context: CompressionContext, plan: _Plan | None = None
+    ) -> tuple[LayerKV, ...]:
         """Every layer, several at a time: consecutive layers with the same plan are clustered together
         (their heads side by side), so that each step of the greedy loop and each round of the tau
         search covers them all at once.
@@ -274,11 +276,12 @@ class SemantiCacheCompressor(Compressor):
         A group's similarity tables (and the temporaries of building them) take at most
         :data:`_FLOOR_BYTES` plus what the layers compressed before it gave back (their full keys and
         values less their cores); a layer whose table alone takes more is clustered a few heads at a
-        time. Several layers are grouped only within :data:`_GROUP_BYTES`.
+        time. Several layers are grouped only within :data:`_GROUP_BYTES`. ``plan``: this context's
+        :meth:`prepare`, when the caller has it already.
         Compression then adds little to the peak memory of a read, which holds every layer's full KV
         when it starts.
         """
-        plans = self.layer_plans(self.prepare(context), len(keys_values), context)
+        plans = self.layer_plans(self.prepare(context) if plan is None else plan, len(keys_values), context)
         layers: list[LayerKV] = []
         start, freed = 0, 0
         while start < len(keys_values):
@@ -291,8 +294,11 @@ class SemantiCacheCompressor(Compressor):
                 cap = min(_GROUP_BYTES, room)  # more layers only within the group cap
                 while end < len(keys_values) and plans[end] is plans[start] and (end - start + 1) * table <= cap:
                     end += 1
-            clusters = self.tau is not None or plans[start].target < keys_values[start][0].shape[2]
-            if clusters and end - start == 1 and heads < keys_values[start][0].shape[1]:
+            if (
+                self._merges(plans[start], keys_values[start][0].shape[2])
+                and end - start == 1
+                and heads < keys_values[start][0].shape[1]
+            ):
                 keys, values = keys_values[start]
                 group = [self._compress_heads(keys, values, plans[start], heads)]
             else:
@@ -323,8 +329,7 @@ class SemantiCacheCompressor(Compressor):
 
     def _compress_layers(self, keys_values, plan: _Plan) -> list[LayerKV]:
         """Layers (keys, values) (1, H_kv, N, D) sharing ``plan``, clustered together."""
-        num_tokens = keys_values[0][0].shape[2]
-        if plan.target >= num_tokens and self.tau is None:  # ratio 0 (or a budget of the whole document)
+        if not self._merges(plan, keys_values[0][0].shape[2]):  # ratio 0 (or a budget of the whole document)
             return [LayerKV(keys, values) for keys, values in keys_values]
         heads = keys_values[0][0].shape[1]
         cluster = self._clustering(keys_values, plan)
@@ -379,6 +384,10 @@ class SemantiCacheCompressor(Compressor):
             return counts, lambda index: seeds[index.to(device), torch.arange(tau.shape[1], device=device)]
 
         return on_triton
+
+    def _merges(self, plan: _Plan, num_tokens: int) -> bool:
+        """Whether ``plan`` clusters anything: a budget below the tokens, or a fixed tau."""
+        return self.tau is not None or plan.target < num_tokens
 
     def _on_grid(self, keys: torch.Tensor) -> bool:
         """Whether these keys are clustered on the torch grid (else by the Triton kernel, one layer at a time)."""
