@@ -299,8 +299,8 @@ def main() -> None:
         "--reuse-rows",
         type=Path,
         default=None,
-        help="add an earlier run's rows (its ruler.jsonl) of methods this run lacks, on this run's questions "
-        "(e.g. kvpress rows of the same contexts), and rewrite the tables of OUT/ruler.jsonl",
+        help="add an earlier run's rows (its ruler.jsonl) of methods and ratios this run lacks, on this run's "
+        "questions (e.g. kvpress rows of the same contexts), and rewrite the tables of OUT/ruler.jsonl",
     )
     parser.add_argument(
         "--kvpress-raw",
@@ -344,13 +344,13 @@ def main() -> None:
 
 
 def reused_rows(path: Path, rows: list[dict], contexts) -> list[dict]:
-    """Rows of ``path`` for methods absent from ``rows``, on questions of ``contexts``, scored again."""
+    """Rows of ``path`` for cells (method, ratio) absent from ``rows``, on questions of ``contexts``, scored again."""
     by_qid = {q.qid: (c, q) for c in contexts for q in c.questions}
-    present = {r["method"] for r in rows}
+    present = {(r["method"], r["ratio"]) for r in rows}
     reused = []
     for line in open(path):
         r = json.loads(line)
-        if r["method"] not in present and r["qid"] in by_qid:
+        if (r["method"], r["ratio"]) not in present and r["qid"] in by_qid:
             context, q = by_qid[r["qid"]]
             if q.refs == r["refs"]:  # the same question, built again from the same seed
                 reused.append({**r, "kind": q.kind, "score": score(r["answer"], q.refs, q.metric)})

@@ -59,7 +59,8 @@ def read_bandwidth() -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights a decoding step reads: every parameter and buffer but the input embedding table."""
+    """Bytes of weights a decoding step reads: every parameter, buffer and packed matrix (fp16 weights) but
+    the input embedding table."""
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and getattr(output, "weight", None) is embedding
@@ -68,7 +69,7 @@ def weight_bytes(model) -> int:
         if tensor is embedding and not tied:
             continue
         total += tensor.numel() * tensor.element_size()
-    return total
+    return total + sum(getattr(module, "packed_nbytes", 0) for module in model.modules())
 
 
 def llama_cpp(lengths: list[int], steps: int) -> list[dict]:

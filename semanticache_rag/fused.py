@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from semanticache_rag import coded_attention
+from semanticache_rag import coded_attention, scripted_step
 from semanticache_rag.attention import semanticache_attention
+from semanticache_rag.kv import LayerKV
 
 _STATIC_ROPE = ("default", "linear", "llama3")
 
@@ -91,6 +92,7 @@ class FusedLlama:
         half = self.head_dim // 2
         self._swap = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # x2 | x1
         self.dtype = model.model.embed_tokens.weight.dtype  # step() is written for fp32 models
+        self._scripted: torch.jit.ScriptModule | None | bool = False  # scripted at the first step (scripted_step)
 
     @staticmethod
     def _norm(module, x: torch.Tensor) -> torch.Tensor:
@@ -154,10 +156,23 @@ class FusedLlama:
         return cos.view(-1), sin.view(-1)
 
     def step(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
-        """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden)."""
+        """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden).
+
+        The layers run as one TorchScript call (:mod:`.scripted_step`) where the cache allows it,
+        otherwise in the Python loop below; both compute the same operations in the same order.
+        """
         core = self.model.model
         x = core.embed_tokens(input_ids).view(1, -1)
         cos, sin = self._rotation(position_ids, x.dtype)
+        layers = self._python_layers
+        if self._scripted_inputs(kv) and self._script() is not None:
+            layers = self._scripted_layers
+        x = self._norm(core.norm, layers(kv, x, cos, sin).view(1, 1, -1))
+        return self.model.lm_head(x) if head else x
+
+    def _python_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The decoder layers for one token, ``x`` (1, hidden), one operation at a time."""
+        core = self.model.model
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_size, kv_size, group = heads * dim, kv_heads * dim, heads // kv_heads
         swap = self._swap
@@ -192,5 +207,37 @@ class FusedLlama:
                 2, dim=-1
             )
             x = x + mlp.down_proj.rows(F.silu(gate) * up)
-        x = self._norm(core.norm, x.view(1, 1, -1))
-        return self.model.lm_head(x) if head else x
+        return x
+
+    def _scripted_inputs(self, kv) -> bool:
+        """Whether ``kv`` can take the scripted step: every document layer plain tensors, every layer's
+        appended buffer started and as long as the others. Its document inputs are kept on ``kv``."""
+        if kv.step_inputs is None:
+            layers = [layer.document for layer in kv.layers]
+            if all(type(document) is LayerKV for document in layers):
+                biases = [kv.log_sizes(index) for index in range(len(layers))]
+                kv.step_inputs = (
+                    [document.keys[0] for document in layers],
+                    [document.values[0] for document in layers],
+                    [None if bias is None else bias[0] for bias in biases],
+                )
+            else:
+                kv.step_inputs = ()
+        lengths = {layer.length if layer.is_initialized else -1 for layer in kv.layers}
+        return bool(kv.step_inputs) and len(lengths) == 1 and min(lengths) >= 0
+
+    def _script(self) -> torch.jit.ScriptModule | None:
+        """The scripted layers, scripted at the first call (``None`` where TorchScript cannot take them)."""
+        if self._scripted is False:
+            self._scripted = scripted_step.script(self.model, self.heads, self.kv_heads, self.head_dim)
+        return self._scripted  # type: ignore[return-value]
+
+    def _scripted_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`_python_layers` as one call of the scripted module."""
+        appended_keys, appended_values, length = kv.buffers(1)
+        keys, values, biases = kv.step_inputs
+        scripted = self._script()
+        assert scripted is not None  # step() takes this path only once scripted
+        x = scripted(x, cos, sin, self._swap, keys, values, biases, appended_keys, appended_values, length)
+        kv.extend(1)
+        return x

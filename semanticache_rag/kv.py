@@ -456,6 +456,8 @@ class ConversationKV(Cache):
         self.scratch = DecodeScratch()
         # per layer index, its document's log s: a layer's document never changes, so one log per conversation
         self._log_sizes: dict[int, torch.Tensor | None] = {}
+        # the scripted decoding step's document inputs, made at its first step (semanticache_rag.fused)
+        self.step_inputs: tuple | None = None
 
     def document_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Layer ``layer_idx``'s document keys, values and ``log s`` to attend to (coded layers decoded
@@ -472,6 +474,20 @@ class ConversationKV(Cache):
             document = self.layers[layer_idx].document
             self._log_sizes[layer_idx] = None if document is None else document.log_sizes
         return self._log_sizes[layer_idx]
+
+    def buffers(self, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Every layer's appended key and value buffers (1, H_kv, capacity, D), with room for ``count``
+        more tokens, and the index where they go: for a step that writes them itself
+        (:mod:`semanticache_rag.scripted_step`); :meth:`extend` then counts them."""
+        start = self.layers[0].length
+        for layer in self.layers:
+            layer._reserve(start + count)
+        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers], start
+
+    def extend(self, count: int) -> None:
+        """Count ``count`` tokens written into :meth:`buffers` as appended, in every layer."""
+        for layer in self.layers:
+            layer.length += count
 
     @property
     def appended_length(self) -> int:

@@ -149,7 +149,7 @@ def load_model(
 ):
     """Load ``(model, tokenizer, model_name)`` with the package's attention function registered.
 
-    ``weights`` stores the matrices as loaded (``"model"``) or as ``"bf16"``, ``"int8"`` or
+    ``weights`` stores the matrices as loaded (``"model"``) or as ``"fp16"``, ``"bf16"``, ``"int8"`` or
     ``"int4"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`).
 
     Raises

@@ -1,4 +1,4 @@
-"""How a model's matrices are stored and multiplied on a CPU: as loaded, bf16, int8 or int4.
+"""How a model's matrices are stored and multiplied on a CPU: as loaded, fp16, bf16, int8 or int4.
 
 Answering a question is mostly decoding, and a decode step reads every weight once: with the
 default model's 135M parameters in fp32 that is 0.5 GB per token, far more than a compressed
@@ -6,8 +6,17 @@ document cache. :func:`convert_weights` swaps the decoder's ``nn.Linear`` module
 head) for weight-only low-precision ones; the residual stream, the norms, the KV cache and the
 attention stay in the model's dtype, only the weight products change:
 
+``"fp16"``
+    fp16 weights in fbgemm's packed layout, multiplied by fp32 inputs with fp32 sums
+    (``torch.ops.quantized.linear_dynamic_fp16``, what torch's dynamic fp16 quantisation runs): half
+    the bytes of fp32 and the fastest decoding step on CPUs without AVX-512 bf16, where every
+    other format here is bound by its kernel's arithmetic rather than by memory. The weights are
+    rounded to fp16 (11 significant bits; the default model's are Q4_1 values, whose scales GGUF
+    stores in fp16), so answers barely move. Products of many rows (reading) unpack the layer's
+    weights to fp32 for the call and use the fp32 product, which is faster there. Needs torch's
+    fbgemm engine (x86 CPUs).
 ``"bf16"``
-    bf16 weights, bf16 products (AVX-512 bf16 where the CPU has it).
+    bf16 weights, bf16 products (AVX-512 bf16 where the CPU has it; 2-10x slower than fp32 where not).
 ``"int8"``
     one int8 per weight and one scale per output row (``torch._weight_int8pack_mm``).
 ``"int4"``
@@ -20,12 +29,10 @@ attention stay in the model's dtype, only the weight products change:
     reading's surprisal multiplies by the embedding table; an untied head stays bf16 (as int8 per
     row it tripled the KL to the fp32 model's next-token distributions).
 
-Products take bf16 inputs (the fast path of torch's int8/int4 CPU kernels; fp32 inputs are 10-20×
+The int8/int4 products take bf16 inputs (the fast path of torch's int8/int4 CPU kernels; fp32 inputs are 10-20×
 slower there). Answers change slightly: ``benchmarks/speed.py`` reports the KL divergence of
 each format's next-token distributions to the fp32 model's.
 """
-
-from __future__ import annotations
 
 from typing import Any
 
@@ -35,14 +42,23 @@ from torch import nn
 
 from semanticache_rag.errors import ConfigError
 
-WEIGHTS = ("model", "bf16", "int8", "int4")
+WEIGHTS = ("model", "fp16", "bf16", "int8", "int4")
 GROUP = 32  # GGUF's Q4_1 block; torch's int4 CPU kernel takes 32, 64, 128 or 256
 COMPUTE_DTYPE = torch.bfloat16
+
+
+# rows of input up to which fbgemm's packed fp16 product is used; beyond, fp32 weights unpacked for the call
+FP16_PACKED_ROWS = 16
 
 
 def check_weights(weights: str) -> None:
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ConfigError(
+            "weights='fp16' uses torch's fbgemm kernels, which this torch build lacks (they exist on x86 CPUs); "
+            "use weights='int8' or 'bf16' instead"
+        )
 
 
 class _WeightOnlyLinear(nn.Module):
@@ -52,17 +68,18 @@ class _WeightOnlyLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.compute_dtype = COMPUTE_DTYPE  # attributes, not module globals: TorchScript (scripted_step) reads them
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for ``x`` (rows, in), in ``x``'s dtype (the lean decoding step calls it directly)."""
-        out = self.product(x.to(COMPUTE_DTYPE)).to(x.dtype)
+        out = self.product(x.to(self.compute_dtype)).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rows(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return self.rows(x.reshape(-1, self.in_features)).reshape(list(x.shape[:-1]) + [self.out_features])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -90,6 +107,23 @@ def _int8_codes(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     scales = blocks.abs().amax(dim=-1) / 127
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8), scales
+
+
+class FP16Linear(_WeightOnlyLinear):
+    """fp16 weights packed for fbgemm's fp32-by-fp16 product; inputs, sums and outputs in fp32."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        # the bias is added by the packed product itself
+        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), self.bias)
+        self.packed_nbytes = 2 * self.in_features * self.out_features  # not a buffer: fbgemm's own object
+        self.packed_rows = FP16_PACKED_ROWS
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.packed_rows:
+            return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+        weight, bias = torch.ops.quantized.linear_unpack_fp16(self.packed)  # fp32 copies of the fp16 values
+        return F.linear(x.float(), weight, bias).to(x.dtype)
 
 
 class Int8Linear(_WeightOnlyLinear):
@@ -138,9 +172,10 @@ class Int4Linear(_WeightOnlyLinear):
         zeros = low + 8 * scale
         scales_and_zeros = torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
+        self.group = GROUP
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
 
 
 class GroupedInt8Linear(_WeightOnlyLinear):
@@ -175,8 +210,8 @@ class GroupedInt8Linear(_WeightOnlyLinear):
         return torch._weight_int4pack_mm_for_cpu(torch.cat([x, x], dim=1), self.packed, GROUP, self.scales_and_zeros)
 
 
-_LAYER_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
-_HEAD_KINDS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear}
+_LAYER_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
+_HEAD_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear}
 
 
 def _fits(weights: str, linear: nn.Linear) -> bool:
@@ -222,10 +257,10 @@ def convert_weights(model: Any, weights: str) -> Any:
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_kind = _HEAD_KINDS[weights]
-    if weights == "int4" and head is not None and _tied_head(model, head) and _fits(weights, head):
-        # GGUF's Q8_0 head for decoding (fewer bytes, and the default model's own codes); reading, which
-        # needs the logits of many positions (surprisal), multiplies by the tied fp32 embedding table
-        head_kind = GroupedInt8Linear
+    if weights in ("fp16", "int4") and head is not None and _tied_head(model, head) and _fits(weights, head):
+        # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes);
+        # reading, which needs the logits of many positions (surprisal), multiplies by the tied embedding table
+        head_kind = GroupedInt8Linear if weights == "int4" else FP16Linear
         model.semanticache_reading_head = model.get_input_embeddings()
     decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
     if decoder and all(_fits(weights, linear) for linear in decoder):

@@ -134,15 +134,18 @@ def test_reused_rows_keep_only_this_runs_questions_and_the_shared_table_their_co
     questions = [(c, q) for c in contexts for q in c.questions]
     ours = [{"method": "full", "ratio": 0.0, "context_id": c.context_id, "qid": q.qid} for c, q in questions]
 
-    def kvpress(c, q, refs):
-        return {"method": "kvpress:snapkv", "ratio": 0.5, "context_id": c.context_id, "qid": q.qid, "refs": refs}
+    def kvpress(c, q, refs, ratio=0.5):
+        return {"method": "kvpress:snapkv", "ratio": ratio, "context_id": c.context_id, "qid": q.qid, "refs": refs}
 
+    ours_kvpress = kvpress(*questions[0], questions[0][1].refs, ratio=0.75)  # this run has snapkv at 0.75 only
     earlier = [kvpress(*questions[0], questions[0][1].refs), kvpress(*questions[1], ["another question"])]
-    earlier += [{**ours[0], "refs": questions[0][1].refs}, kvpress(contexts[0], questions[0][1], [])]  # ours: not again
+    earlier += [{**ours[0], "refs": questions[0][1].refs}, ours_kvpress]  # cells this run has: not again
+    earlier += [kvpress(contexts[0], questions[0][1], [])]
     earlier[-1]["qid"] = "unknown-q0"
+    ours = ours + [ours_kvpress]
     (tmp_path / "earlier.jsonl").write_text("".join(json.dumps({**r, "answer": "1234567"}) + "\n" for r in earlier))
     reused = ruler.reused_rows(tmp_path / "earlier.jsonl", ours, contexts)
-    assert [(r["method"], r["qid"]) for r in reused] == [("kvpress:snapkv", questions[0][1].qid)]
+    assert [(r["method"], r["ratio"], r["qid"]) for r in reused] == [("kvpress:snapkv", 0.5, questions[0][1].qid)]
     assert reused[0]["kind"] == "number" and reused[0]["score"] in (0.0, 1.0)
     common = ruler._common_contexts(ours + reused)
     assert {r["context_id"] for r in common} == {questions[0][0].context_id}

@@ -1,4 +1,4 @@
-"""Weight formats for CPU decoding: bf16, int8 and int4 (GGUF Q4_1's layout) linear layers."""
+"""Weight formats for CPU decoding: fp16, bf16, int8 and int4 (GGUF Q4_1's layout) linear layers."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from semanticache_rag.errors import ConfigError
 from semanticache_rag.store_key import model_identity
 from semanticache_rag.weights import (
     BF16Linear,
+    FP16Linear,
     GroupedInt8Linear,
     Int4Linear,
     Int8Linear,
@@ -42,8 +43,9 @@ def test_group_codes_finds_q4_1_codes_again():
 
 @pytest.mark.parametrize(
     "kind, tolerance",
-    # relative to the largest output: bf16 inputs round at 2**-9; int8 rows add absmax / 254 per weight
-    [(BF16Linear, 0.01), (Int8Linear, 0.02), (Int4Linear, 0.01), (GroupedInt8Linear, 0.01)],
+    # relative to the largest output: bf16 inputs round at 2**-9; int8 rows add absmax / 254 per weight;
+    # fp16 weights round at 2**-11 and nothing else does
+    [(BF16Linear, 0.01), (Int8Linear, 0.02), (Int4Linear, 0.01), (GroupedInt8Linear, 0.01), (FP16Linear, 0.002)],
 )
 def test_weight_only_linear_matches_the_full_precision_product(kind, tolerance):
     linear = torch.nn.Linear(96, 64, bias=True)
@@ -56,6 +58,21 @@ def test_weight_only_linear_matches_the_full_precision_product(kind, tolerance):
     assert (got - want).abs().max() <= tolerance * want.abs().max()
 
 
+def test_fp16_products_of_few_and_many_rows_multiply_the_same_fp16_weights():
+    """Few rows take fbgemm's packed product, many rows the fp32 product of the unpacked weights:
+    both multiply by the weights rounded to fp16, and the bias is added once."""
+    from semanticache_rag.weights import FP16_PACKED_ROWS
+
+    linear = torch.nn.Linear(96, 64, bias=True)
+    layer = FP16Linear(linear)
+    rounded = linear.weight.detach().half().float()
+    x = torch.randn(FP16_PACKED_ROWS + 8, 96)
+    want = x @ rounded.T + linear.bias.detach()
+    many, few = layer.rows(x), layer.rows(x[:FP16_PACKED_ROWS])
+    assert torch.allclose(many, want, rtol=0, atol=1e-5)
+    assert torch.allclose(few, want[:FP16_PACKED_ROWS], rtol=0, atol=1e-5)
+
+
 def test_int4_of_arbitrary_weights_is_within_half_a_step():
     linear = torch.nn.Linear(64, 32, bias=False)
     x = torch.randn(1, 64)
@@ -65,11 +82,11 @@ def test_int4_of_arbitrary_weights_is_within_half_a_step():
     assert torch.allclose(Int4Linear(linear)(x), x @ rebuilt.T, rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp16", "bf16", "int8", "int4"])
 def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tokenizer, weights):
     model = convert_weights(copy.deepcopy(tiny_llama), weights)
     kinds = {type(m) for m in model.modules()}
-    assert {BF16Linear, Int8Linear, Int4Linear} & kinds and torch.nn.Linear not in kinds
+    assert {FP16Linear, BF16Linear, Int8Linear, Int4Linear} & kinds and torch.nn.Linear not in kinds
     assert model.semanticache_weights == weights
     ids = torch.tensor([tiny_tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]])
     with torch.inference_mode():
@@ -174,7 +191,7 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
         assert engine.ask(cache, question, max_new_tokens=24).answer == answer.answer
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int4"])
+@pytest.mark.parametrize("weights", ["fp16", "bf16", "int4"])
 def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_llama, tiny_tokenizer, weights):
     from semanticache_rag.fused import FusedLlama, RowSlice
     from semanticache_rag.kv import ConversationKV
@@ -240,6 +257,45 @@ def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, 
             alone = lean(ConversationKV(num_layers=len(cache.layers)), torch.tensor([[token]]), position)
             assert not torch.allclose(step, alone, rtol=0, atol=1e-3)  # the document does count
     assert step_kv.layers[0].length == general_kv.layers[0].length == len(ids) + 4
+
+
+@pytest.mark.parametrize("weights", ["fp16", "int4", "int8", "bf16"])
+def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, tiny_tokenizer, weights, monkeypatch):
+    """The layers as one TorchScript call compute exactly what the Python loop computes, over plain and
+    merged (log s) caches; coded (Kaizen) caches and a failure to script keep the Python loop."""
+    from semanticache_rag import make_compressor
+    from semanticache_rag.kv import ConversationKV
+
+    model = convert_weights(copy.deepcopy(tiny_llama), weights)
+    lean = model.semanticache_forward
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    prefill = engine.prefill("Alpha beta gamma delta. The code is 4417. " * 30, progress=False, surprisal=True)
+    ids = tiny_tokenizer("Which code?")["input_ids"]
+
+    def decode(cache, scripted):
+        lean._scripted = False if scripted else None  # False: script at the first step; None: never
+        kv = ConversationKV(cache.layers, capacity=len(ids) + 1)  # room for one step: the buffers must grow
+        engine.forward(kv, ids, cache.positions)
+        steps = [engine.forward(kv, [token], cache.positions + len(ids) + i) for i, token in enumerate([5, 17, 5, 30])]
+        return torch.stack(steps), kv
+
+    for compression in [("none", None), ("semanticache", 0.75)]:
+        cache = engine.compress(prefill, make_compressor(*compression))
+        python, _ = decode(cache, scripted=False)
+        scripted, kv = decode(cache, scripted=True)
+        assert isinstance(lean._scripted, torch.jit.ScriptModule) and kv.step_inputs
+        assert torch.equal(scripted, python), float((scripted - python).abs().max())
+        assert kv.layers[0].length == kv.layers[-1].length == len(ids) + 4
+    coded = engine.compress(prefill, make_compressor("kaizen", 0.75))
+    _, kv = decode(coded, scripted=True)
+    assert kv.step_inputs == () and kv.layers[0].length == len(ids) + 4  # the Python loop took the steps
+
+    def refuse(module):
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    steps, kv = decode(cache, scripted=True)
+    assert lean._scripted is None and torch.equal(steps, python)
 
 
 def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):
