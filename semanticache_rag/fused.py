@@ -29,7 +29,6 @@ from torch import nn
 
 from semanticache_rag import coded_attention, scripted_step
 from semanticache_rag.attention import semanticache_attention
-from semanticache_rag.kv import LayerKV
 
 _STATIC_ROPE = ("default", "linear", "llama3")
 
@@ -210,19 +209,11 @@ class FusedLlama:
         return x
 
     def _scripted_inputs(self, kv) -> bool:
-        """Whether ``kv`` can take the scripted step: every document layer plain tensors, every layer's
-        appended buffer started and as long as the others. Its document inputs are kept on ``kv``."""
+        """Whether ``kv`` can take the scripted step: document layers it attends
+        (:func:`.scripted_step.step_inputs`, kept on ``kv``), every layer's appended buffer started and as
+        long as the others."""
         if kv.step_inputs is None:
-            layers = [layer.document for layer in kv.layers]
-            if all(type(document) is LayerKV for document in layers):
-                biases = [kv.log_sizes(index) for index in range(len(layers))]
-                kv.step_inputs = (
-                    [document.keys[0] for document in layers],
-                    [document.values[0] for document in layers],
-                    [None if bias is None else bias[0] for bias in biases],
-                )
-            else:
-                kv.step_inputs = ()
+            kv.step_inputs = scripted_step.step_inputs(kv) or ()
         lengths = {layer.length if layer.is_initialized else -1 for layer in kv.layers}
         return bool(kv.step_inputs) and len(lengths) == 1 and min(lengths) >= 0
 
@@ -235,9 +226,15 @@ class FusedLlama:
     def _scripted_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`_python_layers` as one call of the scripted module."""
         appended_keys, appended_values, length = kv.buffers(1)
-        keys, values, biases = kv.step_inputs
+        keys, key_kinds, values, value_kinds, biases, scratch = kv.step_inputs
+        scratch_keys, scratch_values = (
+            kv.scratch.buffer(name, torch.Size([scratch]), x.dtype, x.device) for name in ("keys", "values")
+        )
         scripted = self._script()
         assert scripted is not None  # step() takes this path only once scripted
-        x = scripted(x, cos, sin, self._swap, keys, values, biases, appended_keys, appended_values, length)
+        x = scripted(
+            x, cos, sin, self._swap, keys, key_kinds, values, value_kinds, biases,
+            appended_keys, appended_values, length, scratch_keys, scratch_values,
+        )  # fmt: skip
         kv.extend(1)
         return x

@@ -3,10 +3,11 @@
 A decoding step of the default model is ~1,600 small tensor operations; called one by one from
 Python, the interpreter's time between them (~7 ms per step on a 2-core CPU) is as large as the
 matrix products with fp16 weights. Here the 30 layers run as one scripted function: the same
-operations in the same order (``tests/test_weights.py`` holds the answers token for token), with
-no Python between them. It covers caches whose document layers are plain tensors (full,
-SemantiCache, SeKV, sections); coded layers (Kaizen) decode into a shared scratch buffer per layer
-and keep the Python step.
+operations in the same order as the Python loop (``tests/test_weights.py`` holds the answers token
+for token), with no Python between them. Document layers may be plain tensors (full, SemantiCache,
+SeKV, sections) or KV-Kaizen's coded ones (int8/int4 codes decoded into the conversation's scratch
+buffer, 16-bit copies, rank-``r`` factors attended through their factors, shared layers); a cache
+with a layer of another kind (int3 codes) keeps the Python loop.
 
 ``torch.compile`` was measured instead and was slower (fbgemm's packed products break its graph,
 and the growing cache recompiles it). TorchScript is deprecated in torch; if scripting fails, the
@@ -22,7 +23,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
+
 logger = logging.getLogger(__name__)
+
+# How a document layer's keys or values are stored (:func:`step_inputs`), and the tensors passed for them:
+# "plain" (H, L, D); "int8" / "int4" codes, scales, minimums; "half" data; "low_rank" coefficients, basis.
+# (Strings: TorchScript reads no module-level ints.)
+
+
+def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
+    """Keys or values (H, L, D) of a layer stored as ``kind``, decoded into ``scratch`` (flat fp32) where
+    coded, as :meth:`~semanticache_rag.kv.QuantizedTensor.decode_into` and ``HalfTensor`` decode them."""
+    if kind == "plain":
+        return parts[0]
+    data = parts[0]
+    columns = data.shape[2] * 2 if kind == "int4" else data.shape[2]
+    out = scratch[: data.shape[0] * data.shape[1] * columns].view(data.shape[0], data.shape[1], columns)
+    if kind == "half":
+        return out.copy_(data)
+    if kind == "int4":
+        pairs = out.unflatten(-1, (-1, 2))
+        pairs[..., 0] = data & 15
+        pairs[..., 1] = data >> 4
+    else:
+        out.copy_(data)
+    scales, minimums = parts[1], parts[2]
+    out.unflatten(-1, (scales.shape[-1], -1)).mul_(scales[..., None]).add_(minimums[..., None])
+    return out
 
 
 class ScriptedLayer(nn.Module):
@@ -45,16 +73,20 @@ class ScriptedLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         swap: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: list[torch.Tensor],
+        key_kind: str,
+        values: list[torch.Tensor],
+        value_kind: str,
         bias: torch.Tensor | None,
         appended_keys: torch.Tensor,
         appended_values: torch.Tensor,
         length: int,
+        scratch_keys: torch.Tensor,
+        scratch_values: torch.Tensor,
     ) -> torch.Tensor:
         """``x`` (1, hidden) after this layer; the new key and value are written at ``length`` of the
-        appended buffers (1, H_kv, capacity, D), the document's ``keys``/``values`` are (H_kv, L, D)
-        and its ``bias`` (``log s``) (H_kv, L)."""
+        appended buffers (1, H_kv, capacity, D); the document's keys and values are stored as their
+        kinds say (:func:`step_inputs`), its ``bias`` (``log s``) is (H_kv, L)."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kv_heads * dim
         qkv = self.qkv.rows(F.rms_norm(x, [x.shape[-1]], self.norm1, self.eps1))
@@ -64,13 +96,19 @@ class ScriptedLayer(nn.Module):
         appended_keys[0, :, length] = qk[heads:]
         appended_values[0, :, length] = qkv[0, q_size + kv_size :].view(kv_heads, dim)
         scores = torch.bmm(query, appended_keys[0, :, : length + 1].transpose(1, 2))
-        doc_scores = torch.bmm(query, keys.transpose(1, 2))
+        if key_kind == "low_rank":  # (q @ B^T) @ A^T, as semanticache_rag.coded_attention attends factors
+            doc_scores = torch.bmm(torch.bmm(query, keys[1].float().transpose(1, 2)), keys[0].float().transpose(1, 2))
+        else:
+            doc_scores = torch.bmm(query, _matrix(key_kind, keys, scratch_keys).transpose(1, 2))
         if bias is not None:
             doc_scores += bias[:, None]
         probs = torch.softmax(torch.cat([doc_scores, scores], dim=-1), dim=-1)
         num_doc = doc_scores.shape[-1]
         out = torch.bmm(probs[..., num_doc:], appended_values[0, :, : length + 1])
-        out = torch.baddbmm(out, probs[..., :num_doc], values)
+        if value_kind == "low_rank":
+            out = torch.baddbmm(out, torch.bmm(probs[..., :num_doc], values[0].float()), values[1].float())
+        else:
+            out = torch.baddbmm(out, probs[..., :num_doc], _matrix(value_kind, values, scratch_values))
         x = x + self.o.rows(out.view(1, q_size))
         gate, up = self.gate_up.rows(F.rms_norm(x, [x.shape[-1]], self.norm2, self.eps2)).chunk(2, dim=-1)
         return x + self.down.rows(F.silu(gate) * up)
@@ -89,17 +127,21 @@ class ScriptedLayers(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         swap: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
+        keys: list[list[torch.Tensor]],
+        key_kinds: list[str],
+        values: list[list[torch.Tensor]],
+        value_kinds: list[str],
         biases: list[torch.Tensor | None],
         appended_keys: list[torch.Tensor],
         appended_values: list[torch.Tensor],
         length: int,
+        scratch_keys: torch.Tensor,
+        scratch_values: torch.Tensor,
     ) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
             x = layer(
-                x, cos, sin, swap, keys[index], values[index], biases[index],
-                appended_keys[index], appended_values[index], length,
+                x, cos, sin, swap, keys[index], key_kinds[index], values[index], value_kinds[index], biases[index],
+                appended_keys[index], appended_values[index], length, scratch_keys, scratch_values,
             )  # fmt: skip
         return x
 
@@ -115,3 +157,49 @@ def script(model: Any, heads: int, kv_heads: int, dim: int) -> torch.jit.ScriptM
     except Exception as exc:  # noqa: BLE001 - any failure to script means the Python step, which computes the same
         logger.info("decoding step not scripted (%s); the Python step runs", f"{exc}".split("\n")[0])
         return None
+
+
+def _stored(code) -> tuple[str, list[torch.Tensor]] | None:
+    """A layer's keys or values as (kind, tensors without the batch dimension), or ``None`` for a
+    storage the scripted step does not attend (int3 codes, coded tensors of another dtype)."""
+    if isinstance(code, torch.Tensor):
+        return "plain", [code[0]]
+    if getattr(code, "dtype", None) != torch.float32:
+        return None
+    if isinstance(code, QuantizedTensor) and code.bits in (8, 4):
+        return ("int8" if code.bits == 8 else "int4"), [code.codes[0], code.scales[0], code.minimums[0]]
+    if isinstance(code, HalfTensor):
+        return "half", [code.data[0]]
+    if isinstance(code, LowRankTensor):
+        return "low_rank", [code.coefficients[0], code.basis[0]]
+    return None
+
+
+def step_inputs(kv) -> tuple | None:
+    """The document inputs of the scripted step for conversation ``kv`` (``None`` where it cannot take
+    them): per layer its keys' and values' kinds and tensors, its ``log s``, and the scratch size."""
+    keys, key_kinds, values, value_kinds, biases = [], [], [], [], []
+    scratch = 0
+    for index, layer in enumerate(kv.layers):
+        document = layer.document
+        source = document.source if isinstance(document, SharedLayerKV) else document
+        if isinstance(source, LayerKV):
+            stored = (_stored(source.keys), _stored(source.values))
+            shapes = [source.keys.shape, source.values.shape]
+        elif isinstance(source, CodedLayerKV):
+            stored = (_stored(source.key_code), _stored(source.value_code))
+            shapes = [source.key_code.shape, source.value_code.shape]
+        else:
+            return None
+        key, value = stored
+        if key is None or value is None:
+            return None
+        (key_kind, key_parts), (value_kind, value_parts) = key, value
+        keys.append(key_parts)
+        key_kinds.append(key_kind)
+        values.append(value_parts)
+        value_kinds.append(value_kind)
+        bias = kv.log_sizes(index)
+        biases.append(None if bias is None else bias[0])
+        scratch = max([scratch] + [shape.numel() for shape in shapes])
+    return keys, key_kinds, values, value_kinds, biases, scratch

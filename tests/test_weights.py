@@ -259,11 +259,9 @@ def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, 
     assert step_kv.layers[0].length == general_kv.layers[0].length == len(ids) + 4
 
 
-@pytest.mark.parametrize("weights", ["fp16", "int4", "int8", "bf16"])
-def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, tiny_tokenizer, weights, monkeypatch):
-    """The layers as one TorchScript call compute exactly what the Python loop computes, over plain and
-    merged (log s) caches; coded (Kaizen) caches and a failure to script keep the Python loop."""
-    from semanticache_rag import make_compressor
+def _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights):
+    """(engine, prefill, decode): ``decode(cache, scripted)`` takes four steps after a question, with the
+    scripted layers or the Python loop, and returns their logits and the conversation."""
     from semanticache_rag.kv import ConversationKV
 
     model = convert_weights(copy.deepcopy(tiny_llama), weights)
@@ -277,18 +275,26 @@ def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, t
         kv = ConversationKV(cache.layers, capacity=len(ids) + 1)  # room for one step: the buffers must grow
         engine.forward(kv, ids, cache.positions)
         steps = [engine.forward(kv, [token], cache.positions + len(ids) + i) for i, token in enumerate([5, 17, 5, 30])]
+        assert kv.layers[0].length == kv.layers[-1].length == len(ids) + 4
         return torch.stack(steps), kv
 
+    return engine, prefill, decode
+
+
+@pytest.mark.parametrize("weights", ["fp16", "int4"])
+def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, tiny_tokenizer, weights, monkeypatch):
+    """The layers as one TorchScript call compute exactly what the Python loop computes, over plain and
+    merged (log s) caches; a failure to script keeps the Python loop."""
+    from semanticache_rag import make_compressor
+
+    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights)
+    lean = engine.model.semanticache_forward
     for compression in [("none", None), ("semanticache", 0.75)]:
         cache = engine.compress(prefill, make_compressor(*compression))
         python, _ = decode(cache, scripted=False)
         scripted, kv = decode(cache, scripted=True)
-        assert isinstance(lean._scripted, torch.jit.ScriptModule) and kv.step_inputs
-        assert torch.equal(scripted, python), float((scripted - python).abs().max())
-        assert kv.layers[0].length == kv.layers[-1].length == len(ids) + 4
-    coded = engine.compress(prefill, make_compressor("kaizen", 0.75))
-    _, kv = decode(coded, scripted=True)
-    assert kv.step_inputs == () and kv.layers[0].length == len(ids) + 4  # the Python loop took the steps
+        assert isinstance(lean._scripted, torch.jit.ScriptModule) and set(kv.step_inputs[1]) == {"plain"}
+        assert torch.equal(scripted, python), (compression, float((scripted - python).abs().max()))
 
     def refuse(module):
         raise RuntimeError("no TorchScript here")
@@ -296,6 +302,28 @@ def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, t
     monkeypatch.setattr(torch.jit, "script", refuse)
     steps, kv = decode(cache, scripted=True)
     assert lean._scripted is None and torch.equal(steps, python)
+
+
+def test_scripted_decoding_step_attends_kaizen_layers_as_the_python_step(tiny_llama, tiny_tokenizer):
+    """Kaizen's int8/int4 codes, 16-bit, low-rank and shared layers through the scripted step give the
+    Python loop's logits exactly; a cache with int3 layers keeps the Python loop."""
+    from semanticache_rag import make_compressor
+    from semanticache_rag.kv import SharedLayerKV
+
+    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, "fp16")
+    # one option allowed at a time, at a ratio it can reach
+    kaizen = [("int8", 0.5, "int8"), ("int4", 0.6, "int4"), ("fp16", 0.4, "half"), ("rank8", 0.6, "low_rank")]
+    for option, ratio, kind in kaizen + [("share", 0.3, "plain")]:
+        cache = engine.compress(prefill, make_compressor("kaizen", ratio, options=(option,)))
+        python, _ = decode(cache, scripted=False)
+        scripted, kv = decode(cache, scripted=True)
+        assert kind in kv.step_inputs[1] and kind in kv.step_inputs[3], (option, kv.step_inputs[1])
+        assert torch.equal(scripted, python), (option, float((scripted - python).abs().max()))
+    assert any(isinstance(layer, SharedLayerKV) for layer in cache.layers)  # the last: shared layers
+    coded = engine.compress(prefill, make_compressor("kaizen", 0.8, options=("int3",)))
+    assert any(getattr(getattr(layer, "key_code", None), "bits", 0) == 3 for layer in coded.layers)
+    _, kv = decode(coded, scripted=True)
+    assert kv.step_inputs == ()  # the Python loop took the steps
 
 
 def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):
