@@ -2,8 +2,8 @@
 
 For each context length: llama.cpp's prompt processing (tok/s, at depth 0) and token generation at
 that depth (ms/token), with the model file we ship (Q4_1 GGUF) and ``llama-bench`` built by
-``benchmarks/llama_bench.py``; then ours, per weight format (``--weights``: fp32 as converted, and
-int4 with the GGUF's own codes), reading the same text once and, per cache (full, SemantiCache
+``benchmarks/llama_bench.py``; then ours, per weight format (``--weights``: fp32 as converted, fp16
+through fbgemm's packed product, and int4 with the GGUF's own codes), reading the same text once and, per cache (full, SemantiCache
 0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time, decode ms/token (median of
 ``--steps`` steps after a question), the bytes a step reads (weights + document cache) over the
 machine's measured read bandwidth (the floor), and the KL divergence of the next-token
@@ -272,7 +272,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 7000])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--weights", nargs="+", default=["model", "int4"])
+    parser.add_argument("--weights", nargs="+", default=["model", "fp16", "int4"])
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory of reads (longest length)")
