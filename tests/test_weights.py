@@ -153,6 +153,25 @@ def test_bad_weight_options_are_config_errors(tiny_llama):
 
 @pytest.mark.slow
 @needs_default_model
+def test_default_model_fp16_answers_as_the_fp32_model():
+    """fp16 weights (and the scripted step) keep the fp32 model's greedy answer, full cache and compressed."""
+    from semanticache_rag import make_compressor
+
+    text = "The vault code for the east wing is 4417. " + "Nothing else happened. " * 40
+    question = "What is the vault code for the east wing?"
+    answers = []
+    for weights in ("model", "fp16"):
+        engine = Engine.from_pretrained(weights=weights)
+        prefill = engine.prefill(text, progress=False, surprisal=True)
+        for compression in (("none", None), ("semanticache", 0.75)):
+            cache = engine.compress(prefill, make_compressor(*compression))
+            answers.append(engine.ask(cache, question, max_new_tokens=24).answer)
+    assert isinstance(engine.model.semanticache_forward._scripted, torch.jit.ScriptModule)
+    assert answers[:2] == answers[2:] and "4417" in answers[0], answers
+
+
+@pytest.mark.slow
+@needs_default_model
 def test_default_model_int4_keeps_the_gguf_codes_and_answers():
     """int4 holds the default model's decoder weights exactly (they are the GGUF's Q4_1 values)."""
     engine = Engine.from_pretrained(weights="int4")
