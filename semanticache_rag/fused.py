@@ -163,10 +163,13 @@ class FusedLlama:
         core = self.model.model
         x = core.embed_tokens(input_ids).view(1, -1)
         cos, sin = self._rotation(position_ids, x.dtype)
-        layers = self._python_layers
-        if self._scripted_inputs(kv) and self._script() is not None:
-            layers = self._scripted_layers
-        x = self._norm(core.norm, layers(kv, x, cos, sin).view(1, 1, -1))
+        scripted = self._script() if self._scripted_inputs(kv) else None
+        x = (
+            self._python_layers(kv, x, cos, sin)
+            if scripted is None
+            else self._scripted_layers(scripted, kv, x, cos, sin)
+        )
+        x = self._norm(core.norm, x.view(1, 1, -1))
         return self.model.lm_head(x) if head else x
 
     def _python_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -223,15 +226,15 @@ class FusedLlama:
             self._scripted = scripted_step.script(self.model, self.heads, self.kv_heads, self.head_dim)
         return self._scripted  # type: ignore[return-value]
 
-    def _scripted_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """:meth:`_python_layers` as one call of the scripted module."""
+    def _scripted_layers(
+        self, scripted: torch.jit.ScriptModule, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_python_layers` as one call of the ``scripted`` layers."""
         appended_keys, appended_values, length = kv.buffers(1)
         keys, key_kinds, values, value_kinds, biases, scratch = kv.step_inputs
         scratch_keys, scratch_values = (
             kv.scratch.buffer(name, torch.Size([scratch]), x.dtype, x.device) for name in ("keys", "values")
         )
-        scripted = self._script()
-        assert scripted is not None  # step() takes this path only once scripted
         x = scripted(
             x, cos, sin, self._swap, keys, key_kinds, values, value_kinds, biases,
             appended_keys, appended_values, length, scratch_keys, scratch_values,

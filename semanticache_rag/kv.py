@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from semanticache_rag.dequantize import decode_groups_into
+
 
 @dataclass(frozen=True, eq=False)
 class LayerKV:
@@ -182,15 +184,8 @@ class QuantizedTensor:
         """:meth:`decode` written into ``out`` (same shape; values bit for bit equal)."""
         if out.dtype != torch.float32:  # the arithmetic is fp32 either way; keep one rounding
             return out.copy_(self.decode())
-        if self.bits == 4:
-            pairs = out.unflatten(-1, (-1, 2))
-            pairs[..., 0] = self.codes & 15
-            pairs[..., 1] = self.codes >> 4
-        else:
-            out.copy_(self.unpacked())
-        groups = out.unflatten(-1, (self.scales.shape[-1], -1))
-        groups.mul_(self.scales[..., None]).add_(self.minimums[..., None])
-        return out
+        codes = self.codes if self.bits == 4 else self.unpacked()
+        return decode_groups_into(codes, self.scales, self.minimums, self.bits == 4, out)
 
     @property
     def shape(self) -> torch.Size:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semanticache_rag.dequantize import decode_groups_into
 from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
     """Keys or values (H, L, D) of a layer stored as ``kind``, decoded into ``scratch`` (flat fp32) where
-    coded, as :meth:`~semanticache_rag.kv.QuantizedTensor.decode_into` and ``HalfTensor`` decode them."""
+    coded, as :class:`~semanticache_rag.kv.QuantizedTensor` and ``HalfTensor`` decode them."""
     if kind == "plain":
         return parts[0]
     data = parts[0]
@@ -42,15 +43,7 @@ def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torc
     out = scratch[: data.shape[0] * data.shape[1] * columns].view(data.shape[0], data.shape[1], columns)
     if kind == "half":
         return out.copy_(data)
-    if kind == "int4":
-        pairs = out.unflatten(-1, (-1, 2))
-        pairs[..., 0] = data & 15
-        pairs[..., 1] = data >> 4
-    else:
-        out.copy_(data)
-    scales, minimums = parts[1], parts[2]
-    out.unflatten(-1, (scales.shape[-1], -1)).mul_(scales[..., None]).add_(minimums[..., None])
-    return out
+    return decode_groups_into(data, parts[1], parts[2], kind == "int4", out)
 
 
 class ScriptedLayer(nn.Module):
