@@ -352,6 +352,15 @@ def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):
     assert torch.equal(after, before)
 
 
+def test_fp16_weights_without_fbgemm_are_a_config_error_that_names_the_alternatives(tiny_llama, monkeypatch):
+    model = copy.deepcopy(tiny_llama)
+    monkeypatch.setattr(type(torch.backends.quantized), "supported_engines", ["qnnpack"])  # e.g. an ARM build
+    with pytest.raises(ConfigError, match="fbgemm.*'int8' or 'bf16'"):
+        convert_weights(model, "fp16")
+    assert not hasattr(model, "semanticache_weights")  # the model is left as it was
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+
+
 def test_weight_formats_refuse_a_model_off_the_cpu(tiny_llama):
     model = copy.deepcopy(tiny_llama).to("meta")  # any device but the CPU: these are torch's CPU kernels
     with pytest.raises(ConfigError, match="runs on CPUs"):
