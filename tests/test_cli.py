@@ -162,3 +162,24 @@ def test_vllm_serve_writes_vllms_command_with_the_connector(tmp_path, capsys):
     assert command[-4:] == ["--port", "8001", "--store", "x"]
     assert main(["vllm-serve", "org/model", "--vllm-python", str(tmp_path / "nothing"), "--dry-run"]) == 2
     assert "no Python interpreter" in capsys.readouterr().err
+
+
+def test_package_and_help_import_no_model_stack_and_every_public_name_resolves():
+    """``import semanticache_rag`` and ``--help`` stay fast: torch and transformers load on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, semanticache_rag\n"
+        "from semanticache_rag.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'pypdf') if m in sys.modules))\n"
+        "names = [getattr(semanticache_rag, name) for name in semanticache_rag.__all__]\n"
+        "print('torch' in sys.modules, semanticache_rag.Engine.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[-2:] == ["[]", "True semanticache_rag.engine"], out
+    import semanticache_rag
+
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        semanticache_rag.Engin  # noqa: B018

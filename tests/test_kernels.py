@@ -103,6 +103,7 @@ class Blocker(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, Blocker())
 import semanticache_rag
+from semanticache_rag import *  # every public name, each imported on first use
 from semanticache_rag.kernels.dispatch import proportional_attention
 q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
 proportional_attention(q, k, k, k, k)
@@ -123,6 +124,7 @@ def recording_import(name, globals=None, *args, **kwargs):
     return real_import(name, globals, *args, **kwargs)
 builtins.__import__ = recording_import
 import semanticache_rag
+from semanticache_rag import *  # every public name, each imported on first use
 import semanticache_rag.kernels
 from semanticache_rag.kernels.dispatch import proportional_attention
 q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)

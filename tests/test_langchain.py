@@ -302,7 +302,10 @@ def test_import_without_langchain_gives_the_install_hint():
 
 def test_package_import_pulls_in_no_framework():
     frameworks = "{'langchain_core', 'langchain', 'langchain_classic', 'llama_index'}"
-    code = f"import sys, semanticache_rag; print(sorted(m for m in sys.modules if m.split('.')[0] in {frameworks}))"
+    code = (  # every public name of the package (imported on first use), the engine and the store included
+        "import sys\nfrom semanticache_rag import *\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {frameworks}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
