@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from importlib import resources
+from pathlib import Path
 
 from semanticache_rag.errors import SemantiCacheError
 
@@ -28,13 +29,18 @@ DEMO_QUESTIONS = (
 )
 
 
+def _compression(args) -> str:
+    """The compressor's name: as given, else ``auto`` (the best measured one) for a ratio alone, else none."""
+    if args.compression is None:
+        args.compression = "auto" if args.ratio is not None else "none"
+    return args.compression
+
+
 def _engine(args):
     from semanticache_rag.compressors import make_compressor
     from semanticache_rag.engine import Engine
 
-    if args.compression is None:  # a ratio alone: the best measured compressor for it
-        args.compression = "auto" if args.ratio is not None else "none"
-    compressor = make_compressor(args.compression, args.ratio)
+    compressor = make_compressor(_compression(args), args.ratio)
     started = time.perf_counter()
     store = None if args.no_store else _store(args)
     layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections or None, "routing": args.routing}
@@ -43,6 +49,18 @@ def _engine(args):
         how = "" if args.weights == "model" else f" ({args.weights} weights)"
         print(f"Loaded {engine.model_name}{how} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return engine
+
+
+def _document(args):
+    """The FILE argument, read before the model loads: bad options, then a bad file, cost no model load.
+    Always a path: a name without a document suffix (``notes``, ``README``) is a file too, never the text."""
+    from semanticache_rag.compressors import make_compressor
+    from semanticache_rag.documents import load_document
+    from semanticache_rag.weights import check_weights
+
+    make_compressor(_compression(args), args.ratio)
+    check_weights(args.weights)
+    return load_document(Path(args.file))
 
 
 def _store(args):
@@ -117,8 +135,9 @@ def _page_ranges(labels) -> str:
 
 
 def cmd_ask(args) -> None:
+    document = _document(args)
     engine = _engine(args)
-    cache = _read(engine, args.file, args)
+    cache = _read(engine, document, args)
     for question in args.question:
         _print_answer(engine.ask(cache, question, **_gen_options(args)), args)
 
@@ -141,8 +160,9 @@ def cmd_chat(args) -> None:
         import readline  # noqa: F401 - gives input() line editing and history
     except ImportError:
         pass
+    document = _document(args)
     engine = _engine(args)
-    conversation = engine.conversation(_read(engine, args.file, args), **_gen_options(args))
+    conversation = engine.conversation(_read(engine, document, args), **_gen_options(args))
     print("Ask about the document; Ctrl-D (or an empty line twice) quits.", file=sys.stderr)
     while True:
         try:

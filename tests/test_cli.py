@@ -183,3 +183,31 @@ def test_package_and_help_import_no_model_stack_and_every_public_name_resolves()
 
     with pytest.raises(AttributeError, match="no attribute 'Engin'"):
         semanticache_rag.Engin  # noqa: B018
+
+
+def test_a_file_without_a_document_suffix_is_read_from_disk(tiny_model_dir, document_text, tmp_path, capsys):
+    """``ask notes`` reads the file ``notes``; it is never taken as the five-character document text "notes"."""
+    path = tmp_path / "notes"
+    path.write_text(document_text)
+    args = ["ask", str(path), "-q", "Who?", "--model", str(tiny_model_dir), "--json", "--max-new-tokens", "2"]
+    assert main(args) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["document_tokens"] > 20
+
+
+@pytest.mark.parametrize("command", ["ask", "chat"])
+@pytest.mark.parametrize("bad", ["missing.pdf", "{dir}", "{empty}"])
+def test_a_bad_file_is_reported_before_the_model_loads(command, bad, tmp_path, monkeypatch, capsys):
+    from semanticache_rag.engine import Engine
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the file was checked")
+
+    monkeypatch.setattr(Engine, "from_pretrained", no_model)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    path = bad.format(dir=tmp_path, empty=empty)
+    argv = [command, path] + (["-q", "?"] if command == "ask" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("no such file" in err or "directory" in err or "is empty" in err), err
