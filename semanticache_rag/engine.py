@@ -44,11 +44,14 @@ class Prefill:
 
 
 # positions whose logits exist at once while reading with surprisal, and how many of their vocabulary's
-# logits at a time (2 MB for the default model): fewer bytes than a prefill chunk's own temporaries, so
-# that surprisal does not raise a read's peak memory (the whole vocabulary at once was 12.6 MB, +8 MiB
-# over an uncompressed read's peak at 7K tokens)
-_SURPRISAL_ROWS = 64
-_VOCABULARY_BLOCK = 8192
+# logits at a time (2 MB): fewer bytes than a prefill chunk's own temporaries, so that surprisal does not
+# raise a read's peak memory (the whole vocabulary at once was 12.6 MB, +8 MiB over an uncompressed read's
+# peak at 7K tokens). Many positions by a narrow block, not few by a wide one: the head's products run at
+# 167 GFLOP/s with 512 x 1,024 and 88 with 64 x 8,192 (2 cores, the default model's 576 x 49,152 head).
+# A head that is a module (no plain weight) gives whole rows of logits: 64 positions at a time there.
+_SURPRISAL_ROWS = 512
+_HEAD_ROWS = 64
+_VOCABULARY_BLOCK = 1024
 # causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
 _PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
@@ -385,9 +388,10 @@ class Engine:
         """Run ``chunk`` into ``kv``; return ``-log p`` of ``targets`` (the tokens that follow each position).
 
         Models whose logits are their output head over the final hidden states get the head applied
-        :data:`_SURPRISAL_ROWS` positions at a time (``-log p = logsumexp - logit``), so no (chunk,
-        vocabulary) tensor is ever whole in memory (100 MB per 512 tokens for a 49K vocabulary); others
-        compute the chunk's logits.
+        :data:`_SURPRISAL_ROWS` positions and :data:`_VOCABULARY_BLOCK` logits at a time (``-log p =
+        logsumexp - logit``), so no (chunk, vocabulary) tensor is ever whole in memory (100 MB per 512
+        tokens for a 49K vocabulary); a head module :data:`_HEAD_ROWS` positions at a time; others compute
+        the chunk's logits.
         """
         head = None  # the output head when it has no plain weight (a converted layer): applied per block of rows
         weight = None
@@ -403,9 +407,10 @@ class Engine:
             else:
                 weight = None
         out = torch.empty(len(targets))
+        step = _SURPRISAL_ROWS if weight is not None else _HEAD_ROWS
         with torch.inference_mode():
-            for row in range(0, len(targets), _SURPRISAL_ROWS):
-                wanted = targets[row : row + _SURPRISAL_ROWS]
+            for row in range(0, len(targets), step):
+                wanted = targets[row : row + step]
                 rows = outputs[row : row + len(wanted)]
                 rows = head(rows) if head is not None else rows
                 out[row : row + len(wanted)] = _neg_log_probs(rows, wanted.to(rows.device), weight).cpu()

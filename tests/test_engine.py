@@ -145,7 +145,7 @@ def test_cache_bytes_are_measured(tiny_engine, document_text):
 
 @pytest.mark.parametrize("weights", ["model", "int4"])
 def test_prefill_surprisal_is_minus_log_p_of_the_next_token(tiny_model, tiny_tokenizer, document_text, weights):
-    """Computed 64 positions at a time from the final hidden states, it equals log-softmax of the whole logits."""
+    """Computed block by block from the final hidden states, it equals log-softmax of the whole logits."""
     import copy
 
     from semanticache_rag.weights import convert_weights
@@ -158,9 +158,24 @@ def test_prefill_surprisal_is_minus_log_p_of_the_next_token(tiny_model, tiny_tok
         logp = model(ids).logits[0].float().log_softmax(-1)
     want = -logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
     assert prefill.surprisal[0] == 0 and len(prefill.ids) > 200
-    # fp32 to rounding; bf16 products (int4) may round differently for a 64-row slice than for the whole chunk
+    # fp32 to rounding; bf16 products (int4) may round differently for a slice of rows than for the whole chunk
     tolerance = 1e-4 if weights == "model" else 4e-3
     torch.testing.assert_close(prefill.surprisal[1:], want, rtol=tolerance, atol=tolerance)
+
+
+def test_surprisal_blocks_over_a_vocabulary_of_several_blocks_equal_log_softmax():
+    """The running logsumexp over vocabulary blocks (the last one ragged) is log-softmax of the whole logits."""
+    from semanticache_rag import engine as engine_module
+
+    generator = torch.Generator().manual_seed(0)
+    vocabulary = 2 * engine_module._VOCABULARY_BLOCK + 37
+    weight = torch.randn(vocabulary, 48, generator=generator)
+    rows = torch.randn(70, 48, generator=generator) * 3
+    wanted = torch.randint(0, vocabulary, (70,), generator=generator)
+    wanted[:3] = torch.tensor([0, vocabulary - 1, engine_module._VOCABULARY_BLOCK])  # block edges
+    want = -(rows @ weight.T).log_softmax(-1).gather(1, wanted[:, None])[:, 0]
+    got = engine_module._neg_log_probs(rows, wanted, weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("compression", [("semanticache", 0.5), ("kaizen", 0.75)])
