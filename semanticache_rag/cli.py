@@ -29,18 +29,19 @@ DEMO_QUESTIONS = (
 )
 
 
-def _compression(args) -> str:
-    """The compressor's name: as given, else ``auto`` (the best measured one) for a ratio alone, else none."""
+def _compressor(args):
+    """The compressor the options name: as given, else ``auto`` (the best measured one) for a ratio alone, else none."""
+    from semanticache_rag.compressors import make_compressor
+
     if args.compression is None:
         args.compression = "auto" if args.ratio is not None else "none"
-    return args.compression
+    return make_compressor(args.compression, args.ratio)
 
 
-def _engine(args):
-    from semanticache_rag.compressors import make_compressor
+def _engine(args, compressor=None):
     from semanticache_rag.engine import Engine
 
-    compressor = make_compressor(_compression(args), args.ratio)
+    compressor = _compressor(args) if compressor is None else compressor
     started = time.perf_counter()
     store = None if args.no_store else _store(args)
     layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections or None, "routing": args.routing}
@@ -51,16 +52,16 @@ def _engine(args):
     return engine
 
 
-def _document(args):
-    """The FILE argument, read before the model loads: bad options, then a bad file, cost no model load.
-    Always a path: a name without a document suffix (``notes``, ``README``) is a file too, never the text."""
-    from semanticache_rag.compressors import make_compressor
+def _document_and_engine(args):
+    """The FILE argument and the engine: bad options, then a bad file, are reported before the model loads.
+    FILE is always a path: a name without a document suffix (``notes``, ``README``) is a file too, never the text."""
     from semanticache_rag.documents import load_document
     from semanticache_rag.weights import check_weights
 
-    make_compressor(_compression(args), args.ratio)
+    compressor = _compressor(args)
     check_weights(args.weights)
-    return load_document(Path(args.file))
+    document = load_document(Path(args.file))
+    return document, _engine(args, compressor)
 
 
 def _store(args):
@@ -135,8 +136,7 @@ def _page_ranges(labels) -> str:
 
 
 def cmd_ask(args) -> None:
-    document = _document(args)
-    engine = _engine(args)
+    document, engine = _document_and_engine(args)
     cache = _read(engine, document, args)
     for question in args.question:
         _print_answer(engine.ask(cache, question, **_gen_options(args)), args)
@@ -160,8 +160,7 @@ def cmd_chat(args) -> None:
         import readline  # noqa: F401 - gives input() line editing and history
     except ImportError:
         pass
-    document = _document(args)
-    engine = _engine(args)
+    document, engine = _document_and_engine(args)
     conversation = engine.conversation(_read(engine, document, args), **_gen_options(args))
     print("Ask about the document; Ctrl-D (or an empty line twice) quits.", file=sys.stderr)
     while True:
