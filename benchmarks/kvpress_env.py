@@ -42,7 +42,7 @@ def ensure_kvpress_env(home: Path | None = None) -> Path:
     return ensure_venv("kvpress-venv", steps, home=home)
 
 
-def _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens) -> list[str]:
+def _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens, prefill) -> list[str]:
     """Command line for ``kvpress_runner.py``."""
     return [
         str(python),
@@ -52,6 +52,7 @@ def _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, ma
         "--presses", *presses,
         "--ratios", *(str(float(r)) for r in ratios),
         "--max-new-tokens", str(int(max_new_tokens)),
+        "--prefill", prefill,
         "--out", str(out_path),
     ]  # fmt: skip
 
@@ -82,6 +83,7 @@ def run_kvpress(
     out_path: str | Path,
     max_new_tokens: int = 32,
     python: str | Path | None = None,
+    prefill: str = "shared",
 ) -> list[dict]:
     """Run kvpress presses on prepared tasks in the kvpress venv.
 
@@ -102,6 +104,9 @@ def run_kvpress(
         Greedy answer length cap.
     python : str or Path, optional
         Interpreter to use; defaults to :func:`ensure_kvpress_env`'s.
+    prefill : str
+        ``"shared"``: one prefill per context serves every press and ratio (the same answers, far
+        faster); ``"each"``: one prefill per press and ratio, as kvpress's pipeline runs.
 
     Returns
     -------
@@ -116,7 +121,7 @@ def run_kvpress(
     python = Path(python) if python is not None else ensure_kvpress_env()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    command = _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens)
+    command = _runner_command(python, tasks_path, model_dir, presses, ratios, out_path, max_new_tokens, prefill)
     logger.info("running %s", " ".join(command))
     # stdout is unused by the runner; stderr carries progress (tqdm redraws with "\r"), so it is
     # passed through as raw bytes as it arrives, keeping only a tail for the error message.

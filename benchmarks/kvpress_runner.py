@@ -11,10 +11,9 @@ Input, one JSON object per line (per context)::
     {"context_id": str, "task": str, "length": int, "prefix_ids": [int, ...],
      "questions": [{"qid": str, "tail_ids": [int, ...], "refs": [str, ...], "metric": "all"|"part"}]}
 
-``prefix_ids`` (chat-template head + document) are prefilled once per press and ratio with the
-press applied, so the press never sees a question; ``tail_ids`` (question + template up to the
-assistant prefix) follow. Both are used exactly as given. Output, one line per (press, ratio,
-question)::
+``prefix_ids`` (chat-template head + document) are prefilled with the press applied, so the press
+never sees a question; ``tail_ids`` (question + template up to the assistant prefix) follow. Both
+are used exactly as given. Output, one line per (press, ratio, question)::
 
     {"method": "kvpress:<name>", "ratio", "context_id", "qid", "task", "length", "answer",
      "kv_bytes", "full_kv_bytes", "prefill_compress_s", "decode_ms_per_token", "kl"}
@@ -24,6 +23,13 @@ prefill ``model.model`` (no LM head) inside ``with press(model)``; question toke
 continuing from the *original* context length while the cache holds fewer entries; after each
 question every cache layer is cropped back to its compressed length. ``kl`` is the
 teacher-forced KL(full || press) averaged over the tokens of the full-cache greedy answer.
+
+``--prefill shared`` (the default) prefills each context once and hands every press and ratio the
+same layer inputs and full keys and values: a press's hook only replaces the layer's cache after the
+layer has run, and no layer reads another's cache while prefilling, so each press compresses exactly
+what its own prefill would give it (the presses run here keep no state between layers). ``--prefill
+each`` runs kvpress's pipeline as it is, one prefill per press and ratio; on a shared run's
+contexts both give the same answers.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path
 
 import torch
 from kvpress import ChunkKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress
+from kvpress.utils import extract_keys_and_values
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
@@ -66,6 +73,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--presses", nargs="+", required=True, choices=PRESS_NAMES)
     parser.add_argument("--ratios", type=float, nargs="+", required=True, help="compression ratios in [0, 1)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--prefill",
+        choices=("shared", "each"),
+        default="shared",
+        help="one prefill per context for every press and ratio (shared), or one per press and ratio (each)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output JSONL (overwritten)")
     args = parser.parse_args(argv)
     bad = [r for r in args.ratios if not 0.0 <= r < 1.0]
@@ -103,6 +116,46 @@ def prefill(model, prefix_ids: list[int], press) -> tuple[DynamicCache, float]:
         with press(model):
             model.model(input_ids=ids, past_key_values=cache)
     return cache, time.perf_counter() - started
+
+
+def prefill_shared(model, prefix_ids: list[int], presses: dict) -> tuple[dict, float, dict]:
+    """Prefill ``prefix_ids`` once and compress every layer with each of ``presses`` ({job: press}).
+
+    Each press's ``compress`` gets what its ``forward_hook`` would read in a prefill of its own (the
+    layer's inputs, attention output and full keys and values); the full cache stays as it is.
+    Returns a cache per job (``None`` holds the full one), the prefill seconds, and each press's
+    compression seconds.
+    """
+    language_model = model.model
+    for press in presses.values():
+        press.post_init_from_model(model)
+    compressed: dict = {job: [] for job in presses}
+    compress_s = dict.fromkeys(presses, 0.0)
+
+    def hook(module, args, kwargs, output):
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        for job, press in presses.items():
+            started = time.perf_counter()
+            compressed[job].append(press.compress(module, kwargs["hidden_states"], keys, values, output[1], kwargs))
+            compress_s[job] += time.perf_counter() - started
+        return output
+
+    hooks = []
+    try:
+        for layer in language_model.layers:
+            layer.self_attn.rotary_emb = language_model.rotary_emb  # as BasePress.__call__ sets it
+            hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        full, seconds = prefill(model, prefix_ids, None)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    seconds -= sum(compress_s.values())
+    caches: dict = {None: full}
+    for job, layers in compressed.items():
+        caches[job] = DynamicCache()
+        for index, (keys, values) in enumerate(layers):
+            caches[job].update(keys, values, index)
+    return caches, seconds, compress_s
 
 
 def crop(cache, lengths: list[int]) -> None:
@@ -188,9 +241,15 @@ def answer_question(model, cache, question, context_length, args, stop_ids, refe
     }
 
 
-def run_press(model, tokenizer, stop_ids, task, press_name, ratio, args, references=None):
-    """Rows for one context under one press; also the per-question results (references)."""
-    cache, seconds = prefill(model, task["prefix_ids"], build_press(press_name, ratio))
+def run_press(model, tokenizer, stop_ids, task, press_name, ratio, args, references=None, prefilled=None):
+    """Rows for one context under one press; also the per-question results (references).
+
+    ``prefilled`` is the press's (cache, seconds) from a shared prefill; without it the context is
+    prefilled here with the press applied.
+    """
+    if prefilled is None:
+        prefilled = prefill(model, task["prefix_ids"], build_press(press_name, ratio))
+    cache, seconds = prefilled
     kv_bytes, context_length = cache_nbytes(cache), len(task["prefix_ids"])
     rows, results = [], {}
     for question in task["questions"]:
@@ -222,14 +281,26 @@ def jobs(presses: list[str], ratios: list[float]) -> list[tuple[str, float]]:
 
 
 def run_context(model, tokenizer, stop_ids, task, args, progress) -> list[dict]:
-    """All rows for one context: the full-cache reference first, then every press and ratio."""
-    rows, references = run_press(model, tokenizer, stop_ids, task, "none", 0.0, args)
+    """All rows for one context: the full-cache reference first, then every press and ratio.
+
+    With ``args.prefill == "shared"`` one prefill serves them all; a press's seconds are that
+    prefill's plus its own compression's, what a prefill of its own would take.
+    """
+    todo = jobs(args.presses, args.ratios)
+    prefilled: dict = {}
+    if args.prefill == "shared":
+        caches, seconds, compress_s = prefill_shared(model, task["prefix_ids"], {j: build_press(*j) for j in todo})
+        prefilled = {job: (caches[job], seconds + compress_s.get(job, 0.0)) for job in caches}
+    rows, references = run_press(
+        model, tokenizer, stop_ids, task, "none", 0.0, args, prefilled=prefilled.pop(None, None)
+    )
     full_kv_bytes = rows[0]["kv_bytes"] if rows else None
     if "none" not in args.presses:
         rows = []
     progress.step(f"{task['context_id']} none")
-    for name, ratio in jobs(args.presses, args.ratios):
-        press_rows, _ = run_press(model, tokenizer, stop_ids, task, name, ratio, args, references)
+    for name, ratio in todo:
+        job = prefilled.pop((name, ratio), None)
+        press_rows, _ = run_press(model, tokenizer, stop_ids, task, name, ratio, args, references, prefilled=job)
         rows.extend(press_rows)
         progress.step(f"{task['context_id']} {name}@{ratio}")
     for row in rows:

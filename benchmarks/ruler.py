@@ -7,7 +7,7 @@ full-cache answer tokens (teacher forcing). kvpress runs in a virtual environmen
 (it pins transformers < 5.3), on exactly the same token ids.
 
     python -m benchmarks.ruler                       # default run (~2 h on 2 cores, no kvpress)
-    python -m benchmarks.ruler --kvpress             # + kvpress presses (much slower: one prefill each)
+    python -m benchmarks.ruler --kvpress             # + kvpress presses (one more prefill per context)
     python -m benchmarks.ruler --kvpress-only        # kvpress alone, resuming an interrupted run
     python -m benchmarks.ruler --quick --model DIR   # CI smoke run
 """
@@ -286,7 +286,7 @@ def main() -> None:
         type=int,
         nargs="+",
         default=None,
-        help="lengths to run kvpress on (default: all); it prefills once per press and ratio",
+        help="lengths to run kvpress on (default: all)",
     )
     parser.add_argument(
         "--kvpress-only",

@@ -7,8 +7,10 @@ import re
 import sys
 
 import pytest
+import torch
 
 from benchmarks.ruler_tasks import build, score
+from semanticache_rag.models import home_dir
 
 
 def test_ruler_string_match():
@@ -223,3 +225,38 @@ def test_ruler_keeps_each_finished_context_and_resumes_from_it(tiny_model_dir, t
     assert ruler.run_ours(engine, contexts, [0.5], ["full", "semanticache"], partial=partial) == rows
     with pytest.raises(AssertionError, match="read again"):  # other methods: that context is not finished
         ruler.run_ours(engine, contexts, [0.5], ["full", "sekv"], partial=partial)
+
+
+@pytest.mark.skipif(
+    not (home_dir() / "kvpress-venv" / "semanticache-venv.json").is_file(),
+    reason="kvpress's venv is not built: python -c 'from benchmarks.kvpress_env import ensure_kvpress_env as e; e()'",
+)
+def test_kvpress_one_shared_prefill_answers_as_a_prefill_per_press(tiny_model_dir, tmp_path):
+    from benchmarks.kvpress_env import run_kvpress
+    from benchmarks.ruler import KVPRESS_PRESSES
+
+    presses = ("none", *KVPRESS_PRESSES)
+    generator = torch.Generator().manual_seed(0)
+    tasks = tmp_path / "tasks.jsonl"
+    with tasks.open("w") as handle:
+        for index in range(2):
+            prefix = torch.randint(10, 200, (160 + 40 * index,), generator=generator).tolist()
+            questions = [
+                {"qid": f"c{index}-q{q}", "tail_ids": torch.randint(10, 200, (6,), generator=generator).tolist()}
+                for q in range(2)
+            ]
+            task = {"context_id": f"c{index}", "task": "t", "length": len(prefix), "prefix_ids": prefix}
+            handle.write(json.dumps({**task, "questions": questions}) + "\n")
+    runs = {
+        prefill: run_kvpress(
+            tasks, tiny_model_dir, presses, [0.5, 0.8], tmp_path / f"{prefill}.jsonl", 8, prefill=prefill
+        )
+        for prefill in ("shared", "each")
+    }
+    timing = ("prefill_compress_s", "decode_ms_per_token", "kl")
+    shared, each = ([{k: v for k, v in r.items() if k not in timing} for r in rows] for rows in runs.values())
+    assert len(shared) == 2 * 2 * (1 + 2 * len(KVPRESS_PRESSES))
+    assert shared == each  # answers and cache sizes
+    assert all(r["kv_bytes"] < r["full_kv_bytes"] for r in shared if r["method"] != "kvpress:none")
+    assert [r["kl"] for r in runs["shared"]] == pytest.approx([r["kl"] for r in runs["each"]], abs=1e-5)
+    assert any(r["kl"] > 1e-3 for r in runs["shared"])  # the presses changed the answers' distributions
