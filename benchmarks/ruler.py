@@ -49,6 +49,9 @@ KAIZEN_ABLATIONS = {
     "kaizen+semanticache-group-64": {"group_size": 64},
     "kaizen+semanticache-merge-64": {"merge_group_size": 64},
     "kaizen+semanticache-int3": {"options": (*DEFAULT_OPTIONS, "int3")},  # 3-bit codes: fewer entries merged
+    # merged as if half (a quarter) of the layers took 3-bit codes, the rest 4-bit: the selector picks which
+    "kaizen+semanticache-int3-half": {"options": (*DEFAULT_OPTIONS, "int3"), "lowest_share": 0.5},
+    "kaizen+semanticache-int3-quarter": {"options": (*DEFAULT_OPTIONS, "int3"), "lowest_share": 0.25},
 }
 # SemantiCache's fact-keeping parts switched one at a time (the default keeps digit and surprisal
 # anchors, each with its whole word)

@@ -235,6 +235,20 @@ def test_coarser_groups_only_when_entries_must_merge(engine, prefill):
     assert merged.nbytes <= int(0.1 * merged.full_nbytes)
 
 
+def test_lowest_share_merges_between_the_two_lowest_precisions(engine, prefill):
+    def compress(**options):
+        return engine.compress(prefill, KaizenCompressor(0.9, inner="semanticache", group_size=4, **options))
+
+    int4 = compress(options=("int8", "int4"))
+    int3 = compress(options=("int8", "int4", "int3"))
+    half = compress(options=("int8", "int4", "int3"), lowest_share=0.5)
+    assert int4.entries_removed > half.entries_removed > int3.entries_removed > 0
+    assert max(c.nbytes / c.full_nbytes for c in (int4, int3, half)) <= 0.1
+    assert {layer_option(layer) for layer in half.layers} >= {"int3"}  # 3-bit codes pay for the entries kept
+    int8 = compress(options=("int8", "int4"), lowest_share=0.5)  # half the layers afford 8-bit codes: more merged
+    assert int8.entries_removed > int4.entries_removed and {layer_option(layer) for layer in int8.layers} >= {"int8"}
+
+
 def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):
     options = ("int8", "int4", "share")
     table = calibrate(
@@ -266,6 +280,8 @@ def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):
         (dict(budget_bytes=-1), "-1"),
         (dict(inner="sekv"), "'sekv'"),
         (dict(inner_ratio=0.5), "0.5"),
+        (dict(lowest_share=0.0), "0.0"),
+        (dict(lowest_share=1.5), "1.5"),
         (dict(compression_ratio=1.0), "1.0"),
     ],
 )

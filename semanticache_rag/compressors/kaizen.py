@@ -269,6 +269,12 @@ class KaizenCompressor(Compressor):
         ``auto`` at 0.9 (36 questions per length; benchmarks/results/ruler_group_size): 64 channels
         scored 44 against 39 at 4K (the full cache 50) but 19 against 31 at 7.5K (the full cache 31;
         it loses codes), so it stays off.
+    lowest_share : float
+        When the inner compressor must merge entries: the share of layers its ratio assumes at
+        Kaizen's lowest precision, in (0, 1]; the rest at the next one up. 1 (the default) merges
+        only what the lowest precision everywhere cannot hold; with ``"int3"`` among the options,
+        0.5 merges fewer entries and lets the selector put 3-bit codes on the least sensitive
+        layers and 4-bit codes on the others.
     """
 
     name: ClassVar[str] = "kaizen"
@@ -280,6 +286,7 @@ class KaizenCompressor(Compressor):
     inner: Compressor | str | None = None
     inner_ratio: float | None = None
     merge_group_size: int | None = None
+    lowest_share: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -291,6 +298,8 @@ class KaizenCompressor(Compressor):
         for size in (self.group_size, self.merge_group_size):
             if size is not None and (size < 2 or size % 2):
                 raise ConfigError(f"group_size and merge_group_size must be even numbers >= 2, got {size!r}")
+        if not 0 < self.lowest_share <= 1:
+            raise ConfigError(f"lowest_share must be in (0, 1], got {self.lowest_share!r}")
         if self.budget_bytes is not None and self.budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be >= 0, got {self.budget_bytes!r}")
         if self.inner is not None:
@@ -364,10 +373,12 @@ class KaizenCompressor(Compressor):
             return 0.0
         keys = keys_values[0][0]
         sizes = torch.ones(keys.shape[:3], dtype=torch.int16)  # what merged entries add
-        precisions: list[str] = [o for o in ("int3", "int4", "int8", "fp16") if o in self.options]
-        lowest = option_nbytes((precisions or ["fp"])[0], LayerKV(keys, keys, sizes), group)
-        tokens = keys.shape[2]  # entries the lowest precision affords, rounded down
-        return max(0.0, 1 - math.floor(kept * 2 * keys.nbytes / lowest * tokens) / tokens)
+        precisions: list[str] = [o for o in ("int3", "int4", "int8", "fp16") if o in self.options] or ["fp"]
+        layer = LayerKV(keys, keys, sizes)
+        lowest, above = (option_nbytes(o, layer, group) for o in (precisions * 2)[:2])
+        per_layer = self.lowest_share * lowest + (1 - self.lowest_share) * above
+        tokens = keys.shape[2]  # entries that precision affords, rounded down
+        return max(0.0, 1 - math.floor(kept * 2 * keys.nbytes / per_layer * tokens) / tokens)
 
     def _inner_layers(self, keys_values, context, kept: float, group: int) -> list:
         ratio = self.inner_ratio
