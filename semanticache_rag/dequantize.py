@@ -9,15 +9,23 @@ import torch
 
 
 def decode_groups_into(
-    codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, nibbles: bool, out: torch.Tensor
+    codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int, out: torch.Tensor
 ) -> torch.Tensor:
     """``out`` (..., D) fp32 set to ``code * scale + minimum`` per group of channels (``scales`` and
-    ``minimums`` (..., D / group)); ``codes`` one per channel (..., D), or two per byte (..., D / 2) when
-    ``nibbles`` (even channels in the low nibble). Float codes, then in-place scale and shift."""
-    if nibbles:
+    ``minimums`` (..., D / group)); ``codes`` as :class:`~semanticache_rag.kv.QuantizedTensor` packs
+    them: one per channel at 8 bits, two per byte at 4 (even channels in the low nibble), eight per
+    three bytes at 3 (the first channel lowest). Codes go straight into ``out`` as floats, then
+    in-place scale and shift."""
+    if bits == 4:
         pairs = out.unflatten(-1, (-1, 2))
         pairs[..., 0] = codes & 15
         pairs[..., 1] = codes >> 4
+    elif bits == 3:
+        triples = codes.unflatten(-1, (-1, 3)).to(torch.int32)
+        words = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+        eights = out.unflatten(-1, (-1, 8))
+        for k in range(8):
+            eights[..., k] = (words >> (3 * k)) & 7
     else:
         out.copy_(codes)
     out.unflatten(-1, (scales.shape[-1], -1)).mul_(scales[..., None]).add_(minimums[..., None])

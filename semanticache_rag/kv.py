@@ -184,8 +184,7 @@ class QuantizedTensor:
         """:meth:`decode` written into ``out`` (same shape; values bit for bit equal)."""
         if out.dtype != torch.float32:  # the arithmetic is fp32 either way; keep one rounding
             return out.copy_(self.decode())
-        codes = self.codes if self.bits == 4 else self.unpacked()
-        return decode_groups_into(codes, self.scales, self.minimums, self.bits == 4, out)
+        return decode_groups_into(self.codes, self.scales, self.minimums, self.bits, out)
 
     @property
     def shape(self) -> torch.Size:

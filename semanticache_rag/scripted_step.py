@@ -7,7 +7,7 @@ operations in the same order as the Python loop (``tests/test_weights.py`` holds
 for token), with no Python between them. Document layers may be plain tensors (full, SemantiCache,
 SeKV, sections) or KV-Kaizen's coded ones (int8/int4 codes decoded into the conversation's scratch
 buffer, 16-bit copies, rank-``r`` factors attended through their factors, shared layers); a cache
-with a layer of another kind (int3 codes) keeps the Python loop.
+with a layer of another kind (codes of another dtype) keeps the Python loop.
 
 ``torch.compile`` was measured instead and was slower (fbgemm's packed products break its graph,
 and the growing cache recompiles it). TorchScript is deprecated in torch; if scripting fails, the
@@ -29,7 +29,7 @@ from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor
 logger = logging.getLogger(__name__)
 
 # How a document layer's keys or values are stored (:func:`step_inputs`), and the tensors passed for them:
-# "plain" (H, L, D); "int8" / "int4" codes, scales, minimums; "half" data; "low_rank" coefficients, basis.
+# "plain" (H, L, D); "int8" / "int4" / "int3" codes, scales, minimums; "half" data; "low_rank" coefficients, basis.
 # (Strings: TorchScript reads no module-level ints.)
 
 
@@ -39,11 +39,12 @@ def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torc
     if kind == "plain":
         return parts[0]
     data = parts[0]
-    columns = data.shape[2] * 2 if kind == "int4" else data.shape[2]
+    bits = 4 if kind == "int4" else 3 if kind == "int3" else 8
+    columns = data.shape[2] * 8 // bits
     out = scratch[: data.shape[0] * data.shape[1] * columns].view(data.shape[0], data.shape[1], columns)
     if kind == "half":
         return out.copy_(data)
-    return decode_groups_into(data, parts[1], parts[2], kind == "int4", out)
+    return decode_groups_into(data, parts[1], parts[2], bits, out)
 
 
 class ScriptedLayer(nn.Module):
@@ -154,13 +155,13 @@ def script(model: Any, heads: int, kv_heads: int, dim: int) -> torch.jit.ScriptM
 
 def _stored(code) -> tuple[str, list[torch.Tensor]] | None:
     """A layer's keys or values as (kind, tensors without the batch dimension), or ``None`` for a
-    storage the scripted step does not attend (int3 codes, coded tensors of another dtype)."""
+    storage the scripted step does not attend (coded tensors of another dtype)."""
     if isinstance(code, torch.Tensor):
         return "plain", [code[0]]
     if getattr(code, "dtype", None) != torch.float32:
         return None
-    if isinstance(code, QuantizedTensor) and code.bits in (8, 4):
-        return ("int8" if code.bits == 8 else "int4"), [code.codes[0], code.scales[0], code.minimums[0]]
+    if isinstance(code, QuantizedTensor):
+        return f"int{code.bits}", [code.codes[0], code.scales[0], code.minimums[0]]
     if isinstance(code, HalfTensor):
         return "half", [code.data[0]]
     if isinstance(code, LowRankTensor):

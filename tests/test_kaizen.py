@@ -92,6 +92,7 @@ def test_decoding_is_code_times_scale_plus_minimum_bit_for_bit(bits):
     groups = codes.unflatten(-1, (2, 32)).float()
     want = (groups * code.scales.float()[..., None] + code.minimums.float()[..., None]).flatten(-2)
     assert torch.equal(code.decode(), want)
+    assert torch.equal(code.decode_into(torch.full(code.shape, float("nan"))), want)  # the attention's path
 
 
 def test_attention_decodes_coded_layers_into_one_reused_scratch_bit_for_bit():
