@@ -9,6 +9,7 @@ from conftest import corpus_text
 from semanticache_rag import ConfigError, Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
 from semanticache_rag.compressors import make_compressor
 from semanticache_rag.compressors.kaizen import (
+    DEFAULT_OPTIONS,
     encode_layer,
     layer_option,
     option_nbytes,
@@ -248,6 +249,19 @@ def test_lowest_share_merges_between_the_two_lowest_precisions(engine, prefill):
     assert {layer_option(layer) for layer in half.layers} >= {"int3"}  # 3-bit codes pay for the entries kept
     int8 = compress(options=("int8", "int4"), lowest_share=0.5)  # half the layers afford 8-bit codes: more merged
     assert int8.entries_removed > int4.entries_removed and {layer_option(layer) for layer in int8.layers} >= {"int8"}
+
+
+def test_auto_is_kaizen_over_semanticache_with_a_quarter_of_the_layers_budgeted_at_3_bits(engine, prefill):
+    auto = make_compressor("auto", 0.9)
+    want = KaizenCompressor(0.9, options=(*DEFAULT_OPTIONS, "int3"), lowest_share=0.25, inner=SemantiCacheCompressor())
+    assert auto == want
+    assert make_compressor("auto", 0.9, lowest_share=1.0).lowest_share == 1.0  # the caller's options win
+    cache = engine.compress(prefill, auto)
+    assert cache.nbytes <= int(0.1 * cache.full_nbytes) and cache.entries_removed > 0
+    for ratio in (0.5, 0.75):  # no merging there: the same storage as Kaizen without 3-bit codes
+        chosen = engine.compress(prefill, make_compressor("auto", ratio))
+        plain = engine.compress(prefill, make_compressor("kaizen+semanticache", ratio))
+        assert chosen.entries_removed == plain.entries_removed == 0
 
 
 def test_calibration_table_is_used_when_it_fits(engine, prefill, tmp_path):

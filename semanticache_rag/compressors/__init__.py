@@ -1,7 +1,7 @@
 """KV-cache compressors: one file and one dataclass each, registered here."""
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor, NoCompression
-from semanticache_rag.compressors.kaizen import KaizenCompressor
+from semanticache_rag.compressors.kaizen import DEFAULT_OPTIONS, KaizenCompressor
 from semanticache_rag.compressors.kara import KaraCompressor
 from semanticache_rag.compressors.sekv import SeKVCompressor
 from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
@@ -23,8 +23,13 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 
 # What "auto" builds: the compressor that kept answers closest to the full cache at every ratio
 # measured (benchmarks/results/ruler_facts): Kaizen's int8/int4 layers alone up to ~0.8 of the bytes
-# removed (SemantiCache then merges nothing), SemantiCache's merging of what int4 cannot hold beyond.
+# removed (SemantiCache then merges nothing), SemantiCache's merging of what Kaizen's codes cannot hold
+# beyond. There SemantiCache merges as if a quarter of the layers took 3-bit codes and Kaizen's selector
+# puts them on the least sensitive layers: at 0.9, 42 / 31 at 4K / 7.5K against 39 / 31 with 4-bit codes
+# only (the full cache 50 / 31; 36 questions each, benchmarks/results/ruler_int3_mix). Below ~0.8 the
+# options choose the same layers with or without int3.
 AUTO = "kaizen+semanticache"
+AUTO_OPTIONS: dict = {"options": (*DEFAULT_OPTIONS, "int3"), "lowest_share": 0.25}
 
 
 def make_compressor(name: str, compression_ratio: float | None = None, **options) -> Compressor:
@@ -32,10 +37,11 @@ def make_compressor(name: str, compression_ratio: float | None = None, **options
 
     ``compression_ratio=None`` keeps the compressor's default ratio. ``"kaizen+NAME"`` is Kaizen
     storing the entries of compressor ``NAME`` (``"kaizen+semanticache"``), given as an instance.
-    ``"auto"`` is the best measured compressor for the ratio (:data:`AUTO`).
+    ``"auto"`` is the best measured compressor for the ratio (:data:`AUTO` with :data:`AUTO_OPTIONS`,
+    which ``options`` may override).
     """
     if name == "auto":
-        name = AUTO
+        name, options = AUTO, {**AUTO_OPTIONS, **options}
     if name.startswith("kaizen+"):
         name, options["inner"] = "kaizen", make_compressor(name.removeprefix("kaizen+"))
     if name not in COMPRESSORS:
@@ -47,6 +53,7 @@ def make_compressor(name: str, compression_ratio: float | None = None, **options
 
 __all__ = [
     "AUTO",
+    "AUTO_OPTIONS",
     "COMPRESSORS",
     "CompressionContext",
     "KaraCompressor",

@@ -247,8 +247,9 @@ class KaizenCompressor(Compressor):
     options : tuple of str
         What a layer may become besides staying as it is: ``"fp16"``, ``"int8"``, ``"int4"``, ``"int3"``,
         ``"rank<r>"`` and ``"share"`` (use the previous layer's cache). ``"int3"`` is not among the
-        defaults: it lets ``auto`` at 0.9 merge fewer entries, which scored 50 against 39 at 4K (the
-        full cache 50) but 19 against 31 at 7.5K (benchmarks/results/ruler_int3).
+        defaults (``auto`` adds it, with ``lowest_share=0.25``): on every layer it lets ``auto`` at 0.9
+        merge fewer entries, which scored 50 against 39 at 4K (the full cache 50) but 19 against 31
+        at 7.5K (benchmarks/results/ruler_int3).
     group_size : int
         Channels per quantisation group (one fp16 scale and minimum each): even, and a divisor of
         the head dimension, or larger than it (then a group is a whole head).
@@ -273,8 +274,10 @@ class KaizenCompressor(Compressor):
         When the inner compressor must merge entries: the share of layers its ratio assumes at
         Kaizen's lowest precision, in (0, 1]; the rest at the next one up. 1 (the default) merges
         only what the lowest precision everywhere cannot hold; with ``"int3"`` among the options,
-        0.5 merges fewer entries and lets the selector put 3-bit codes on the least sensitive
-        layers and 4-bit codes on the others.
+        less merges fewer entries and lets the selector put 3-bit codes on the least sensitive
+        layers and 4-bit codes on the others. ``auto`` at 0.9 (36 questions per length;
+        benchmarks/results/ruler_int3_mix): 0.25 scored 42 / 31 at 4K / 7.5K, 0.5 44 / 28, 1 50 / 19,
+        int4 alone 39 / 31 (the full cache 50 / 31).
     """
 
     name: ClassVar[str] = "kaizen"
