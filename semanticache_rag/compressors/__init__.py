@@ -26,8 +26,9 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 # removed (SemantiCache then merges nothing), SemantiCache's merging of what Kaizen's codes cannot hold
 # beyond. There SemantiCache merges as if a quarter of the layers took 3-bit codes and Kaizen's selector
 # puts them on the least sensitive layers: at 0.9, 42 / 31 at 4K / 7.5K against 39 / 31 with 4-bit codes
-# only (the full cache 50 / 31; 36 questions each, benchmarks/results/ruler_int3_mix). Below ~0.8 the
-# options choose the same layers with or without int3.
+# only (the full cache 50 / 31; 36 questions each, benchmarks/results/ruler_int3_mix). At 0.5 and 0.75
+# the default model's sensitivity table chooses the same layers with or without int3 (a model without a
+# table is ranked by reconstruction error, and may take 3-bit codes there).
 AUTO = "kaizen+semanticache"
 AUTO_OPTIONS: dict = {"options": (*DEFAULT_OPTIONS, "int3"), "lowest_share": 0.25}
 
