@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from semanticache_rag.dequantize import decode_groups_into
+from semanticache_rag.dequantize import decode_groups_into, three_bit_words
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,18 +167,11 @@ class QuantizedTensor:
         if self.bits == 4:
             return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
         if self.bits == 3:
-            triples = codes.unflatten(-1, (-1, 3)).int()
-            words = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
-            return ((words[..., None] >> _THREE_BIT_SHIFTS) & 7).to(torch.uint8).flatten(-2)
+            return ((three_bit_words(codes)[..., None] >> _THREE_BIT_SHIFTS) & 7).to(torch.uint8).flatten(-2)
         return codes
 
     def decode(self) -> torch.Tensor:
-        codes = self.unpacked()
-        # float codes, then in-place scale and shift: 2-3x faster than addcmul on the uint8 codes
-        # (which promotes element by element), with the same two roundings
-        groups = codes.unflatten(-1, (self.scales.shape[-1], -1)).float()
-        out = groups.mul_(self.scales.float()[..., None]).add_(self.minimums.float()[..., None])
-        return out.flatten(-2).to(self.dtype)
+        return self.decode_into(torch.empty(self.shape, dtype=torch.float32, device=self.device)).to(self.dtype)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` written into ``out`` (same shape; values bit for bit equal)."""

@@ -378,7 +378,8 @@ class KaizenCompressor(Compressor):
         sizes = torch.ones(keys.shape[:3], dtype=torch.int16)  # what merged entries add
         precisions: list[str] = [o for o in ("int3", "int4", "int8", "fp16") if o in self.options] or ["fp"]
         layer = LayerKV(keys, keys, sizes)
-        lowest, above = (option_nbytes(o, layer, group) for o in (precisions * 2)[:2])
+        nbytes = [option_nbytes(option, layer, group) for option in precisions[:2]]
+        lowest, above = nbytes[0], nbytes[-1]  # the next precision up (the lowest when it is the only one)
         per_layer = self.lowest_share * lowest + (1 - self.lowest_share) * above
         tokens = keys.shape[2]  # entries that precision affords, rounded down
         return max(0.0, 1 - math.floor(kept * 2 * keys.nbytes / per_layer * tokens) / tokens)
