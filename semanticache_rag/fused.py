@@ -92,6 +92,7 @@ class FusedLlama:
         self._swap = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # x2 | x1
         self.dtype = model.model.embed_tokens.weight.dtype  # step() is written for fp32 models
         self._scripted: torch.jit.ScriptModule | None | bool = False  # scripted at the first step (scripted_step)
+        self._kernel: bool | None = None  # whether steps attend through the C++ kernel; decided at the first step
 
     @staticmethod
     def _norm(module, x: torch.Tensor) -> torch.Tensor:
@@ -172,9 +173,28 @@ class FusedLlama:
         x = self._norm(core.norm, x.view(1, 1, -1))
         return self.model.lm_head(x) if head else x
 
+    def kernel(self) -> bool:
+        """Whether decoding steps attend through the C++ kernel (:mod:`~semanticache_rag.kernels.decode_attention_cpu`):
+        it is built (at the first call) and takes this model's heads."""
+        if self._kernel is None:
+            from semanticache_rag.kernels import decode_attention_cpu
+
+            group = self.heads // self.kv_heads
+            self._kernel = decode_attention_cpu.supports(self.head_dim, group) and decode_attention_cpu.available()
+        return self._kernel
+
+    def _kernel_inputs(self, kv) -> tuple | None:
+        """The scripted step's document inputs where the kernel attends them, else ``None``."""
+        if not self.kernel():
+            return None
+        if kv.step_inputs is None:
+            kv.step_inputs = scripted_step.step_inputs(kv) or ()
+        return kv.step_inputs or None
+
     def _python_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The decoder layers for one token, ``x`` (1, hidden), one operation at a time."""
         core = self.model.model
+        inputs = self._kernel_inputs(kv)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_size, kv_size, group = heads * dim, kv_heads * dim, heads // kv_heads
         swap = self._swap
@@ -189,9 +209,14 @@ class FusedLlama:
             key = qk[heads:].view(1, kv_heads, 1, dim)
             value = qkv[:, q_size + kv_size :].view(1, kv_heads, 1, dim)
             keys, values = kv.layers[index].update(key, value)
-            scores = torch.bmm(query, keys[0].transpose(1, 2))
             document = kv.layers[index].document
-            if document is not None:  # coded layers are attended as stored (semanticache_rag.coded_attention)
+            kinds = None if inputs is None or document is None else (inputs[1][index], inputs[3][index])
+            if kinds is not None and "low_rank" not in kinds:  # the scripted step's kernel call, as it makes it
+                out = scripted_step.kernel_attention(
+                    query, inputs[0][index], kinds[0], inputs[2][index], kinds[1], inputs[4][index], keys[0], values[0]
+                )
+            elif document is not None:  # coded layers are attended as stored (semanticache_rag.coded_attention)
+                scores = torch.bmm(query, keys[0].transpose(1, 2))
                 doc_keys, doc_values = coded_attention.stored(document)
                 doc_scores = coded_attention.scores(doc_keys, query, kv.scratch)
                 bias = kv.log_sizes(index)
@@ -202,7 +227,7 @@ class FusedLlama:
                 out = torch.bmm(probs[..., num_doc:], values[0])
                 out = coded_attention.mix(doc_values, probs[..., :num_doc], out, kv.scratch)
             else:
-                out = torch.bmm(torch.softmax(scores, dim=-1), values[0])
+                out = torch.bmm(torch.softmax(torch.bmm(query, keys[0].transpose(1, 2)), dim=-1), values[0])
             x = x + attention.o_proj.rows(out.view(1, q_size))
             norm = layer.post_attention_layernorm
             gate, up = mlp.gate_up_proj.rows(F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)).chunk(
@@ -223,7 +248,7 @@ class FusedLlama:
     def _script(self) -> torch.jit.ScriptModule | None:
         """The scripted layers, scripted at the first call (``None`` where TorchScript cannot take them)."""
         if self._scripted is False:
-            self._scripted = scripted_step.script(self.model, self.heads, self.kv_heads, self.head_dim)
+            self._scripted = scripted_step.script(self.model, self.heads, self.kv_heads, self.head_dim, self.kernel())
         return self._scripted  # type: ignore[return-value]
 
     def _scripted_layers(

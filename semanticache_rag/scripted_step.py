@@ -17,7 +17,7 @@ This module has no ``from __future__ import annotations``: TorchScript reads the
 """
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +47,42 @@ def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torc
     return decode_groups_into(data, parts[1], parts[2], bits, out)
 
 
+def kernel_arguments(kind: str, parts: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], int]:
+    """A side stored as ``kind`` (not ``"low_rank"``) as the attention kernel takes it: rows or codes,
+    scales, minimums, bits (:mod:`semanticache_rag.kernels.decode_attention_ref`)."""
+    if kind == "plain":
+        return parts[0], None, None, 32 if parts[0].dtype == torch.float32 else 16
+    if kind == "half":
+        return parts[0], None, None, 16
+    return parts[0], parts[1], parts[2], 4 if kind == "int4" else 3 if kind == "int3" else 8
+
+
+def kernel_attention(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    key_kind: str,
+    values: list[torch.Tensor],
+    value_kind: str,
+    bias: Optional[torch.Tensor],
+    appended_keys: torch.Tensor,
+    appended_values: torch.Tensor,
+) -> torch.Tensor:
+    """One token's attention (H_kv, G, D) over a document layer as stored and the appended (H_kv, T, D),
+    by the operator ``semanticache::decode_attention`` (:mod:`semanticache_rag.kernels.decode_attention_cpu`)."""
+    key, key_scales, key_minimums, key_bits = kernel_arguments(key_kind, keys)
+    value, value_scales, value_minimums, value_bits = kernel_arguments(value_kind, values)
+    return torch.ops.semanticache.decode_attention(
+        query, key, key_scales, key_minimums, key_bits, value, value_scales, value_minimums, value_bits,
+        bias, appended_keys, appended_values,
+    )  # fmt: skip
+
+
 class ScriptedLayer(nn.Module):
     """One decoder layer for one new token: what the Python step's loop body computes."""
 
-    def __init__(self, layer: Any, heads: int, kv_heads: int, dim: int):
+    def __init__(self, layer: Any, heads: int, kv_heads: int, dim: int, kernel: bool):
         super().__init__()
+        self.kernel = kernel  # attend through the C++ kernel (decode_attention_cpu), low-rank layers excepted
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv, self.o = attention.qkv_proj, attention.o_proj
         self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj
@@ -89,6 +120,12 @@ class ScriptedLayer(nn.Module):
         query = qk[:heads].view(kv_heads, heads // kv_heads, dim) * self.scaling
         appended_keys[0, :, length] = qk[heads:]
         appended_values[0, :, length] = qkv[0, q_size + kv_size :].view(kv_heads, dim)
+        if self.kernel and key_kind != "low_rank" and value_kind != "low_rank":
+            out = kernel_attention(
+                query, keys, key_kind, values, value_kind, bias,
+                appended_keys[0, :, : length + 1], appended_values[0, :, : length + 1],
+            )  # fmt: skip
+            return self._rest(x, out)
         scores = torch.bmm(query, appended_keys[0, :, : length + 1].transpose(1, 2))
         if key_kind == "low_rank":  # (q @ B^T) @ A^T, as semanticache_rag.coded_attention attends factors
             doc_scores = torch.bmm(torch.bmm(query, keys[1].float().transpose(1, 2)), keys[0].float().transpose(1, 2))
@@ -103,7 +140,11 @@ class ScriptedLayer(nn.Module):
             out = torch.baddbmm(out, torch.bmm(probs[..., :num_doc], values[0].float()), values[1].float())
         else:
             out = torch.baddbmm(out, probs[..., :num_doc], _matrix(value_kind, values, scratch_values))
-        x = x + self.o.rows(out.view(1, q_size))
+        return self._rest(x, out)
+
+    def _rest(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: output projection, residual, MLP, residual."""
+        x = x + self.o.rows(out.view(1, self.heads * self.dim))
         gate, up = self.gate_up.rows(F.rms_norm(x, [x.shape[-1]], self.norm2, self.eps2)).chunk(2, dim=-1)
         return x + self.down.rows(F.silu(gate) * up)
 
@@ -111,9 +152,10 @@ class ScriptedLayer(nn.Module):
 class ScriptedLayers(nn.Module):
     """Every decoder layer of a fused Llama model for one new token (scripted by :func:`script`)."""
 
-    def __init__(self, model: Any, heads: int, kv_heads: int, dim: int):
+    def __init__(self, model: Any, heads: int, kv_heads: int, dim: int, kernel: bool):
         super().__init__()
-        self.layers = nn.ModuleList([ScriptedLayer(layer, heads, kv_heads, dim) for layer in model.model.layers])
+        layers = [ScriptedLayer(layer, heads, kv_heads, dim, kernel) for layer in model.model.layers]
+        self.layers = nn.ModuleList(layers)
 
     def forward(
         self,
@@ -140,14 +182,15 @@ class ScriptedLayers(nn.Module):
         return x
 
 
-def script(model: Any, heads: int, kv_heads: int, dim: int) -> torch.jit.ScriptModule | None:
-    """The scripted layers of ``model`` (sharing its weights), or ``None`` where TorchScript cannot take them."""
+def script(model: Any, heads: int, kv_heads: int, dim: int, kernel: bool) -> torch.jit.ScriptModule | None:
+    """The scripted layers of ``model`` (sharing its weights), attending through the C++ kernel where
+    ``kernel``, or ``None`` where TorchScript cannot take them."""
     import warnings
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript's deprecation notice: the Python step stays as the fallback
-            return torch.jit.script(ScriptedLayers(model, heads, kv_heads, dim))
+            return torch.jit.script(ScriptedLayers(model, heads, kv_heads, dim, kernel))
     except Exception as exc:  # noqa: BLE001 - any failure to script means the Python step, which computes the same
         logger.info("decoding step not scripted (%s); the Python step runs", f"{exc}".split("\n")[0])
         return None
