@@ -18,6 +18,10 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -29,39 +33,114 @@ namespace {
 
 constexpr int64_t MAX_GROUP = 16;
 constexpr int64_t ENTRIES_PER_TASK = 512;  // one (kv head, block) task: ~130 KiB of fp32 keys at D = 64
-constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax update
+constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax update (a multiple of 16)
 
-// exp(x) for x <= 0, written so that the compiler vectorises it (Cephes' expf polynomial, relative
-// error ~1e-7); x below -87 (and -inf, the padding of ragged heads) gives exactly 0.
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// 16 lanes (one AVX-512 register; GCC splits it on narrower machines), with GCC's vector extensions
+using vf = float __attribute__((vector_size(64)));
+using vi = int32_t __attribute__((vector_size(64)));
+using vu = uint32_t __attribute__((vector_size(64)));
+using vh = uint16_t __attribute__((vector_size(32)));
+using vb16 = uint8_t __attribute__((vector_size(16)));
+using vb8 = uint8_t __attribute__((vector_size(8)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+// 16 bytes as 16 int32 lanes (GCC 12 turns the generic conversion into scalar code; x86 has it in one
+// or two instructions)
+inline vi widen(vb16 b) {
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32((__m128i)b);
+#elif defined(__AVX2__)
+  const __m256i low = _mm256_cvtepu8_epi32((__m128i)b);
+  const __m256i high = _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)b, 8));
+  vi out;
+  std::memcpy(&out, &low, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+  return out;
+#else
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, relative error ~1e-7); x below -87 (and -inf, the
+// padding of ragged heads) gives exactly 0.
+inline vf exp_nonpositive(vf x) {
+  const vi underflow = x < -87.0f;
+  x = underflow ? splat(-87.0f) : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const float out = std::bit_cast<float>(std::bit_cast<int32_t>(y) + (static_cast<int32_t>(n) << 23));
-  return underflow ? 0.0f : out;
+  const vf y = p * r * r + r + 1.0f;
+  const vf out = (vf)((vi)y + (__builtin_convertvector(n, vi) << 23));
+  return underflow ? splat(0.0f) : out;
 }
 
-// IEEE half to float with integer and float operations only, so that loops of it vectorise (the
-// conversion of Maratyszcza's FP16 library, which c10::Half also uses; exact for every input).
-inline float half_to_float(uint16_t h) {
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
+
+inline float max_lane(vf v) {
+  float top = v[0];
+  for (int k = 1; k < 16; ++k) top = std::max(top, v[k]);
+  return top;
+}
+
+inline float sum_lanes(vf v) {
+  float total = 0.0f;
+  for (int k = 0; k < 16; ++k) total += v[k];
+  return total;
+}
+
+// The lane sums of 16 vectors, as one vector (lane r: the sum of a[r]), by halving shuffles.
+inline vf reduce16(const vf* a) {
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// IEEE half to float with integer and float operations (the conversion of Maratyszcza's FP16
+// library, which c10::Half also uses; exact for every input).
+inline vf halves_to_floats(vh h) {
+  const vu w = __builtin_convertvector(h, vu) << 16;
+  const vu sign = w & 0x80000000u;
+  const vu two_w = w + w;
+  const vf normalized = (vf)((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const vf denormalized = (vf)((two_w >> 17) | (126u << 23)) - 0.5f;
+  const vu magnitude = two_w < (1u << 27) ? (vu)denormalized : (vu)normalized;
+  return (vf)(sign | magnitude);
+}
+
+inline float half_to_float(uint16_t h) {  // the same conversion, one value
   const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
   const float normalized = std::bit_cast<float>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float denormalized = std::bit_cast<float>((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t magnitude = two_w < (1u << 27) ? std::bit_cast<uint32_t>(denormalized) : std::bit_cast<uint32_t>(normalized);
-  return std::bit_cast<float>(sign | magnitude);
+  const uint32_t magnitude =
+      two_w < (1u << 27) ? std::bit_cast<uint32_t>(denormalized) : std::bit_cast<uint32_t>(normalized);
+  return std::bit_cast<float>((w & 0x80000000u) | magnitude);
 }
-
-inline float bf16_to_float(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 
 // Keys or values of one layer as stored: rows (H, L, D) of `bits` bits (32: fp32, 16: fp16 or bf16,
 // 8/4/3: group codes), read a tile of rows at a time.
@@ -72,56 +151,101 @@ struct Rows {
   const uint16_t* minimums = nullptr;
   int64_t scale_head_stride = 0, scale_row_stride = 0;  // elements
   int64_t groups = 1;
+  int64_t group_of_vector[16] = {};  // the group of channels 16c..16c+15, where a group spans whole vectors
   int64_t bits = 32;
   bool bf16 = false;
 
   // Rows [start, start + count) of `head` as a (count, D) fp32 tile: the data itself where it is
-  // contiguous fp32, otherwise decoded into `tile`.
+  // contiguous fp32, otherwise decoded into `tile` (codes: their scales and minimums converted first,
+  // 16 at a time, into `factors`, count * groups each).
   template <int64_t D>
-  const float* rows(int64_t head, int64_t start, int64_t count, float* tile) const {
+  const float* rows(int64_t head, int64_t start, int64_t count, float* tile, float* factors) const {
     const uint8_t* first = data + head * head_stride + start * row_stride;
     if (bits == 32 && row_stride == D * 4) return reinterpret_cast<const float*>(first);
-    for (int64_t j = 0; j < count; ++j) decode_row<D>(first + j * row_stride, head, start + j, tile + j * D);
+    if (bits == 32 || bits == 16) {
+      for (int64_t j = 0; j < count; ++j) decode_row<D>(first + j * row_stride, nullptr, nullptr, tile + j * D);
+      return tile;
+    }
+    const int64_t offset = head * scale_head_stride + start * scale_row_stride, n = count * groups;
+    float* scale = factors;
+    float* minimum = factors + n;
+    if (scale_row_stride == groups) {  // the tile's factors are contiguous
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        vh s, m;
+        std::memcpy(&s, scales + offset + i, 32);
+        std::memcpy(&m, minimums + offset + i, 32);
+        store(scale + i, halves_to_floats(s));
+        store(minimum + i, halves_to_floats(m));
+      }
+      for (; i < n; ++i) {
+        scale[i] = half_to_float(scales[offset + i]);
+        minimum[i] = half_to_float(minimums[offset + i]);
+      }
+    } else {
+      for (int64_t j = 0; j < count; ++j) {
+        for (int64_t g = 0; g < groups; ++g) {
+          scale[j * groups + g] = half_to_float(scales[offset + j * scale_row_stride + g]);
+          minimum[j * groups + g] = half_to_float(minimums[offset + j * scale_row_stride + g]);
+        }
+      }
+    }
+    for (int64_t j = 0; j < count; ++j)
+      decode_row<D>(first + j * row_stride, scale + j * groups, minimum + j * groups, tile + j * D);
     return tile;
   }
 
+  // 16 channels' codes from the row's bytes, as floats (widened to 32-bit lanes first: x86 has
+  // per-lane shifts and conversions for those, not for bytes)
+  vf codes16(const uint8_t* raw, int64_t c) const {
+    if (bits == 8) {
+      vb16 b;
+      std::memcpy(&b, raw + 16 * c, 16);
+      return __builtin_convertvector(widen(b), vf);
+    }
+    if (bits == 4) {  // even channels in the low nibble
+      vb8 b;
+      std::memcpy(&b, raw + 8 * c, 8);
+      const vb16 pairs = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+      const vi shifts = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+      return __builtin_convertvector((widen(pairs) >> shifts) & 15, vf);
+    }
+    // 3 bits: eight codes per three bytes, the first channel lowest
+    const uint8_t* w = raw + 6 * c;
+    const int32_t first = w[0] | (w[1] << 8) | (w[2] << 16), second = w[3] | (w[4] << 8) | (w[5] << 16);
+    const vi words = {first, first, first, first, first, first, first, first,
+                      second, second, second, second, second, second, second, second};
+    const vi shifts = {0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21};
+    return __builtin_convertvector((words >> shifts) & 7, vf);
+  }
+
+  // One row as D floats: fp32 copied, 16-bit converted, codes times their group's scale plus its minimum
+  // (the two roundings of decode_groups_into).
   template <int64_t D>
-  void decode_row(const uint8_t* raw, int64_t head, int64_t index, float* out) const {
+  void decode_row(const uint8_t* raw, const float* scale, const float* minimum, float* out) const {
+    constexpr int64_t C = D / 16;
     if (bits == 32) {
       std::memcpy(out, raw, D * 4);
       return;
     }
     if (bits == 16) {
-      if (bf16) {
-        const uint16_t* half = reinterpret_cast<const uint16_t*>(raw);
-        for (int64_t d = 0; d < D; ++d) out[d] = bf16_to_float(half[d]);
-      } else {
-        const uint16_t* half = reinterpret_cast<const uint16_t*>(raw);
-        for (int64_t d = 0; d < D; ++d) out[d] = half_to_float(half[d]);
+      for (int64_t c = 0; c < C; ++c) {
+        vh h;
+        std::memcpy(&h, raw + 32 * c, 32);
+        store(out + 16 * c, bf16 ? (vf)(__builtin_convertvector(h, vu) << 16) : halves_to_floats(h));
       }
       return;
     }
-    if (bits == 8) {
-      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(raw[d]);
-    } else if (bits == 4) {  // even channels in the low nibble
-      for (int64_t b = 0; b < D / 2; ++b) {
-        out[2 * b] = static_cast<float>(raw[b] & 15);
-        out[2 * b + 1] = static_cast<float>(raw[b] >> 4);
-      }
-    } else {  // 3 bits: eight codes per three bytes, the first channel lowest
-      for (int64_t w = 0; w < D / 8; ++w) {
-        const uint32_t word = raw[3 * w] | (raw[3 * w + 1] << 8) | (raw[3 * w + 2] << 16);
-        for (int k = 0; k < 8; ++k) out[8 * w + k] = static_cast<float>((word >> (3 * k)) & 7);
-      }
-    }
-    // code * scale + minimum, per group of channels: the two roundings of decode_groups_into
-    const int64_t offset = head * scale_head_stride + index * scale_row_stride;
     const int64_t width = D / groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = half_to_float(scales[offset + g]), m = half_to_float(minimums[offset + g]);
-      float* part = out + g * width;
-      for (int64_t d = 0; d < width; ++d) part[d] = part[d] * s + m;
+    if (width % 16 == 0) {
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t g = group_of_vector[c];
+        store(out + 16 * c, codes16(raw, c) * scale[g] + minimum[g]);
+      }
+      return;
     }
+    for (int64_t c = 0; c < C; ++c) store(out + 16 * c, codes16(raw, c));
+    for (int64_t d = 0; d < D; ++d) out[d] = out[d] * scale[d / width] + minimum[d / width];
   }
 };
 
@@ -174,6 +298,7 @@ Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales
   rows.scale_head_stride = s.stride(0);
   rows.scale_row_stride = s.stride(1);
   rows.groups = s.size(2);
+  for (int64_t c = 0; c < 16; ++c) rows.group_of_vector[c] = 16 * c / (dim / rows.groups);
   rows.bits = bits;
   return rows;
 }
@@ -185,56 +310,86 @@ struct Partial {
   float* out;      // (G, D)
 };
 
+// Scores of rows [0, n) of a (n, D) tile (n <= 16) for one query (C vectors), plus the bias.
+template <int64_t D>
+inline vf scores16(const vf* query, const float* tile, int64_t n, const float* bias) {
+  constexpr int64_t C = D / 16;
+  vf acc[16];
+  for (int64_t r = 0; r < 16; ++r) {
+    acc[r] = vf{};
+    if (r >= n) continue;
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < C; ++c) acc[r] += query[c] * load(tile + r * D + 16 * c);
+  }
+  vf sums = reduce16(acc);
+  if (bias != nullptr) {
+    if (n == 16) return sums + load(bias);
+    for (int64_t r = 0; r < n; ++r) sums[r] += bias[r];
+  }
+  return sums;
+}
+
 // Online-softmax update of `partial` with entries [begin, end) of `keys`/`values` (one kv head), in
 // passes of ENTRIES_PER_PASS: a tile of keys decoded (where coded), its scores for the G query heads,
 // the running maximum and sum, then a tile of values added into the G outputs, kept in registers.
 template <int64_t D>
 void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
                  int64_t head, int64_t begin, int64_t end, Partial partial) {
+  constexpr int64_t C = D / 16, SLICES = ENTRIES_PER_PASS / 16;
   alignas(64) float scores[MAX_GROUP][ENTRIES_PER_PASS];
   alignas(64) float tile[ENTRIES_PER_PASS * D];
+  alignas(64) float factors[ENTRIES_PER_PASS * D];  // scales and minimums of coded rows (at most D / 2 groups)
+  vf q[MAX_GROUP][C];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < C; ++c) q[g][c] = load(query + g * D + 16 * c);
   for (int64_t start = begin; start < end; start += ENTRIES_PER_PASS) {
-    const int64_t count = std::min(ENTRIES_PER_PASS, end - start);
-    // -- scores of the pass
-    const float* key = keys.rows<D>(head, start, count, tile);
+    const int64_t count = std::min(ENTRIES_PER_PASS, end - start), slices = (count + 15) / 16;
+    // -- scores of the pass, 16 rows at a time (padding lanes -inf)
+    const float* key = keys.rows<D>(head, start, count, tile, factors);
     for (int64_t g = 0; g < group; ++g) {
-      const float* q = query + g * D;
-      for (int64_t j = 0; j < count; ++j) {
-        float sum = 0.0f;
-        for (int64_t d = 0; d < D; ++d) sum += q[d] * key[j * D + d];
-        scores[g][j] = sum + (bias == nullptr ? 0.0f : bias[start + j]);
+      for (int64_t s = 0; s < slices; ++s) {
+        const int64_t n = std::min<int64_t>(16, count - 16 * s);
+        vf sums = scores16<D>(q[g], key + 16 * s * D, n, bias == nullptr ? nullptr : bias + start + 16 * s);
+        for (int64_t r = n; r < 16; ++r) sums[r] = -INFINITY;
+        store(scores[g] + 16 * s, sums);
       }
     }
     // -- new maximum and sum; scores become weights, the outputs so far are rescaled
     float rescale[MAX_GROUP];
     for (int64_t g = 0; g < group; ++g) {
-      float top = partial.maximum[g];
-      for (int64_t j = 0; j < count; ++j) top = std::max(top, scores[g][j]);
-      if (top == -INFINITY) {  // every entry so far is padding: weights 0, nothing to rescale
-        std::fill(scores[g], scores[g] + count, 0.0f);
+      vf top = splat(partial.maximum[g]);
+      for (int64_t s = 0; s < slices; ++s) {
+        const vf x = load(scores[g] + 16 * s);
+        top = x > top ? x : top;
+      }
+      const float maximum = max_lane(top);
+      if (maximum == -INFINITY) {  // every entry so far is padding: weights 0, nothing to rescale
+        std::fill(scores[g], scores[g] + SLICES * 16, 0.0f);
         rescale[g] = 1.0f;
         continue;
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < count; ++j) {
-        scores[g][j] = exp_nonpositive(scores[g][j] - top);
-        total += scores[g][j];
+      vf total = vf{};
+      for (int64_t s = 0; s < slices; ++s) {
+        const vf weights = exp_nonpositive(load(scores[g] + 16 * s) - maximum);
+        store(scores[g] + 16 * s, weights);
+        total += weights;
       }
-      rescale[g] = exp_nonpositive(partial.maximum[g] - top);
-      partial.total[g] = partial.total[g] * rescale[g] + total;
-      partial.maximum[g] = top;
+      rescale[g] = exp_nonpositive(partial.maximum[g] - maximum);
+      partial.total[g] = partial.total[g] * rescale[g] + sum_lanes(total);
+      partial.maximum[g] = maximum;
     }
     // -- weighted values
-    const float* value = values.rows<D>(head, start, count, tile);
+    const float* value = values.rows<D>(head, start, count, tile, factors);
     for (int64_t g = 0; g < group; ++g) {
-      alignas(64) float out[D];
+      vf out[C];
       float* target = partial.out + g * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = target[d] * rescale[g];
+      for (int64_t c = 0; c < C; ++c) out[c] = load(target + 16 * c) * rescale[g];
       for (int64_t j = 0; j < count; ++j) {
         const float weight = scores[g][j];
-        for (int64_t d = 0; d < D; ++d) out[d] += weight * value[j * D + d];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < C; ++c) out[c] += weight * load(value + j * D + 16 * c);
       }
-      std::memcpy(target, out, D * 4);
+      for (int64_t c = 0; c < C; ++c) store(target + 16 * c, out[c]);
     }
   }
 }

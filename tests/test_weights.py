@@ -243,15 +243,24 @@ def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_ll
     assert model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False).shape[1] == len(ids) + 3
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch-attention", "cpu-kernel"])
 @pytest.mark.parametrize("compression", [("none", None), ("semanticache", 0.75), ("kaizen", 0.75), ("auto", 0.9)])
-def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, compression):
+def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, compression, kernel):
     """The one-token path (fused norms, direct products, four batched attention products, log s once)
-    computes what the general lean pass computes, over plain, merged (log s) and coded (Kaizen) caches."""
+    computes what the general lean pass computes, over plain, merged (log s) and coded (Kaizen) caches.
+    With torch's attention the arithmetic is the same to fp32 rounding; the C++ kernel sums in
+    another order, and with bf16 activations (int4 weights) a last-bit difference can flip one
+    bf16 rounding, so there the bound is a few bf16 steps and the next token must agree."""
     from semanticache_rag import make_compressor
+    from semanticache_rag.kernels import decode_attention_cpu
     from semanticache_rag.kv import ConversationKV
 
+    if kernel and not decode_attention_cpu.available():
+        pytest.skip("the CPU attention kernel did not build here")
     model = convert_weights(copy.deepcopy(tiny_llama), "int4")
     lean = model.semanticache_forward
+    lean._kernel = kernel
+    atol = 2e-2 if kernel else 1e-5
     engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     prefill = engine.prefill("Alpha beta gamma delta. The code is 4417. " * 30, progress=False, surprisal=True)
     cache = engine.compress(prefill, make_compressor(*compression))
@@ -267,7 +276,8 @@ def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, 
             position = torch.tensor([[cache.positions + len(ids) + offset]])
             step = lean(step_kv, torch.tensor([[token]]), position)
             general = lean(general_kv, torch.tensor([[token]]), position)
-            assert torch.allclose(step, general, rtol=0, atol=1e-5), (offset, float((step - general).abs().max()))
+            assert torch.allclose(step, general, rtol=0, atol=atol), (offset, float((step - general).abs().max()))
+            assert torch.equal(step.argmax(-1), general.argmax(-1))
             alone = lean(ConversationKV(num_layers=len(cache.layers)), torch.tensor([[token]]), position)
             assert not torch.allclose(step, alone, rtol=0, atol=1e-3)  # the document does count
     assert step_kv.layers[0].length == general_kv.layers[0].length == len(ids) + 4

@@ -1,0 +1,166 @@
+"""The CPU attention kernel (kernels/decode_attention_cpu.cpp) against its torch twin.
+
+The kernel is built on first use (``torch.utils.cpp_extension``, ~15-25 s once per machine). Where it
+cannot be built the tests skip, except under ``SEMANTICACHE_REQUIRE_CPU_KERNEL=1`` (CI has a compiler:
+there a failed build fails). Attention may be at most 2x as far from an fp64 reference as the torch
+twin is, on the same stored inputs (house rule for kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from semanticache_rag.kernels import decode_attention_cpu, decode_attention_ref
+
+from semanticache_rag.kv import QuantizedTensor
+
+REQUIRED = os.environ.get("SEMANTICACHE_REQUIRE_CPU_KERNEL") == "1"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not decode_attention_cpu.available():
+        if REQUIRED:
+            pytest.fail("the CPU attention kernel did not build (see the warning above)")
+        pytest.skip("the CPU attention kernel could not be built here (no C++ compiler?)")
+    return decode_attention_cpu.decode_attention
+
+
+def stored_side(x: torch.Tensor, storage: str, group_size: int = 32):
+    """``x`` (H, L, D) stored as ``storage``: (data, scales, minimums, bits)."""
+    if storage == "fp32":
+        return x, None, None, 32
+    if storage in ("fp16", "bf16"):
+        return x.to(torch.float16 if storage == "fp16" else torch.bfloat16), None, None, 16
+    bits = int(storage[3:])
+    code = QuantizedTensor.encode(x[None], bits, group_size)
+    return code.codes[0], code.scales[0], code.minimums[0], bits
+
+
+def inputs(heads, group, dim, length, appended, key_storage, value_storage, group_size=32, seed=0):
+    """Arguments of the operator: random queries, a stored document with ragged heads (-inf padding at
+    their ends and zero-size entries inside), appended tokens as a strided view of a larger buffer."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(heads, group, dim, generator=g) * dim**-0.5
+    keys = torch.randn(heads, length, dim, generator=g)
+    values = torch.randn(heads, length, dim, generator=g)
+    sizes = torch.randint(0, 5, (heads, length), generator=g).float()
+    ends = torch.randint(length // 2, length + 1, (heads,), generator=g)
+    sizes[torch.arange(length) >= ends[:, None]] = 0
+    buffer = torch.randn(2, heads, appended + 7, dim, generator=g)
+    new_keys, new_values = buffer[0, :, :appended], buffer[1, :, :appended]  # (H, T, D), rows strided
+    return (
+        query,
+        *stored_side(keys, key_storage, min(group_size, dim)),
+        *stored_side(values, value_storage, min(group_size, dim)),
+        sizes.log(),
+        new_keys,
+        new_values,
+    )
+
+
+def fp64_reference(args) -> torch.Tensor:
+    """The twin's arithmetic in fp64, on the decoded stored inputs."""
+    query, key, key_scales, key_minimums, key_bits = args[:5]
+    value, value_scales, value_minimums, value_bits, bias, new_keys, new_values = args[5:]
+    dim = query.shape[-1]
+    doc_keys = decode_attention_ref.decoded(key, key_scales, key_minimums, key_bits, dim).double()
+    doc_values = decode_attention_ref.decoded(value, value_scales, value_minimums, value_bits, dim).double()
+    scores = torch.cat([query.double() @ doc_keys.transpose(1, 2) + bias.double()[:, None],
+                        query.double() @ new_keys.double().transpose(1, 2)], dim=-1)  # fmt: skip
+    probs = scores.softmax(-1)
+    return probs @ torch.cat([doc_values, new_values.double()], dim=1)
+
+
+def assert_as_close_as_the_twin(args, kernel):
+    want = fp64_reference(args)
+    twin = decode_attention_ref.decode_attention(*args)
+    got = kernel(*args)
+    assert got.shape == twin.shape and got.dtype == torch.float32
+    twin_error = float((twin.double() - want).abs().max())
+    error = float((got.double() - want).abs().max())
+    assert error <= 2 * twin_error + 1e-7, (error, twin_error)
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp16", "bf16", "int8", "int4", "int3"])
+@pytest.mark.parametrize("dim,group,length", [(64, 3, 1030), (16, 1, 77), (128, 4, 513)])
+def test_kernel_matches_the_torch_twin_for_every_storage(kernel, storage, dim, group, length):
+    """Every stored kind, head dims 16/64/128, 1/3/4 query heads per kv head, lengths across the
+    kernel's blocks (512 entries per task, 64 per pass) and ragged -inf padding."""
+    args = inputs(3, group, dim, length, appended=9, key_storage=storage, value_storage=storage)
+    assert_as_close_as_the_twin(args, kernel)
+
+
+def test_kernel_takes_mixed_sides_groups_of_16_and_a_single_appended_token(kernel):
+    """Keys and values stored differently (Kaizen may), groups of 16 and of 8 channels, and the
+    first decoding step after a document (one appended token)."""
+    for key_storage, value_storage, group_size in [("int4", "int8", 16), ("fp16", "int3", 8), ("int8", "fp32", 64)]:
+        args = inputs(2, 3, 64, 300, 1, key_storage, value_storage, group_size=group_size, seed=1)
+        assert_as_close_as_the_twin(args, kernel)
+
+
+def test_kernel_on_an_empty_document_is_attention_over_the_appended_tokens(kernel):
+    args = list(inputs(2, 3, 64, 0, 5, "fp32", "fp32"))
+    probs = (args[0] @ args[10].transpose(1, 2)).softmax(-1)
+    torch.testing.assert_close(kernel(*args), probs @ args[11], rtol=1e-5, atol=1e-6)
+
+
+def test_duplicated_entries_attend_as_one_entry_with_log_size(kernel):
+    """s identical rows equal one row with bias log s (proportional attention), through the kernel."""
+    query, key, _, _, _, value, _, _, _, _, new_keys, new_values = inputs(2, 3, 64, 40, 4, "fp32", "fp32")
+    sizes = torch.randint(1, 6, (40,))
+    repeated = [t.repeat_interleave(sizes, dim=1) for t in (key, value)]
+    expanded = kernel(query, repeated[0], None, None, 32, repeated[1], None, None, 32, None, new_keys, new_values)
+    bias = sizes.float().log().expand(2, 40).contiguous()
+    merged = kernel(query, key, None, None, 32, value, None, None, 32, bias, new_keys, new_values)
+    torch.testing.assert_close(merged, expanded, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_rejects_inputs_it_cannot_read(kernel):
+    args = list(inputs(2, 3, 64, 50, 3, "int8", "int8"))
+    bad = [
+        (4, 5, "bits must be"),  # key_bits
+        (1, args[1][..., :10], "do not hold"),  # codes too short for 64 channels
+        (2, None, "scales and minimums"),
+        (0, args[0].double(), "query must be"),
+        (9, torch.zeros(2, 49), "bias must be"),
+    ]
+    for index, value, message in bad:
+        changed = list(args)
+        changed[index] = value
+        with pytest.raises(RuntimeError, match=message):
+            kernel(*changed)
+    odd = list(inputs(2, 3, 48, 20, 3, "fp32", "fp32"))
+    with pytest.raises(RuntimeError, match="head dim must be"):
+        kernel(*odd)
+
+
+def test_without_the_kernel_the_operator_is_the_torch_twin():
+    """SEMANTICACHE_CPU_KERNEL=0: nothing is built, and the operator still answers (the twin)."""
+    code = (
+        "import torch\n"
+        "from semanticache_rag.kernels import decode_attention_cpu as k\n"
+        "assert not k.available()\n"
+        "q, kv = torch.randn(2, 3, 16), torch.randn(2, 5, 16)\n"
+        "out = k.decode_attention(q, kv, None, None, 32, kv, None, None, 32, None, kv, kv)\n"
+        "probs = (q @ torch.cat([kv, kv], 1).transpose(1, 2)).softmax(-1)\n"
+        "torch.testing.assert_close(out, probs @ torch.cat([kv, kv], 1))\n"
+        "import sys; assert not any('semanticache_decode_attention_' in m for m in sys.modules)\n"
+    )
+    env = {**os.environ, "SEMANTICACHE_CPU_KERNEL": "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_a_failed_build_warns_once_and_keeps_the_torch_ops(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(decode_attention_cpu, "_build", no_compiler)
+    monkeypatch.delenv("SEMANTICACHE_CPU_KERNEL", raising=False)
+    with caplog.at_level("WARNING"):
+        assert decode_attention_cpu.available.__wrapped__() is False
+    assert "c++: command not found" in caplog.text and "pip install ninja" in caplog.text
