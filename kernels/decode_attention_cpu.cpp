@@ -35,13 +35,20 @@ constexpr int64_t MAX_GROUP = 16;
 constexpr int64_t ENTRIES_PER_TASK = 512;  // one (kv head, block) task: ~130 KiB of fp32 keys at D = 64
 constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax update (a multiple of 16)
 
-// 16 lanes (one AVX-512 register; GCC splits it on narrower machines), with GCC's vector extensions
-using vf = float __attribute__((vector_size(64)));
-using vi = int32_t __attribute__((vector_size(64)));
-using vu = uint32_t __attribute__((vector_size(64)));
-using vh = uint16_t __attribute__((vector_size(32)));
-using vb16 = uint8_t __attribute__((vector_size(16)));
-using vb8 = uint8_t __attribute__((vector_size(8)));
+// One register of W float lanes (AVX-512: 16, otherwise 8), with GCC's vector extensions. Vectors wider
+// than the machine's registers are split by GCC, and its shuffles and conversions of split vectors fall
+// back to scalar code, so the width follows the target.
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#else
+constexpr int64_t W = 8;
+#endif
+using vf = float __attribute__((vector_size(4 * W)));
+using vi = int32_t __attribute__((vector_size(4 * W)));
+using vu = uint32_t __attribute__((vector_size(4 * W)));
+using vh = uint16_t __attribute__((vector_size(2 * W)));
+using vb = uint8_t __attribute__((vector_size(W)));          // W bytes: W 8-bit codes
+using vb_half = uint8_t __attribute__((vector_size(W / 2)));  // W / 2 bytes: W 4-bit codes
 
 inline vf load(const float* p) {
   vf v;
@@ -51,18 +58,13 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 
-// 16 bytes as 16 int32 lanes (GCC 12 turns the generic conversion into scalar code; x86 has it in one
-// or two instructions)
-inline vi widen(vb16 b) {
+// W bytes as W int32 lanes (GCC 12 turns the generic conversion into scalar code; x86 has it in one
+// instruction)
+inline vi widen(vb b) {
 #if defined(__AVX512F__)
   return (vi)_mm512_cvtepu8_epi32((__m128i)b);
 #elif defined(__AVX2__)
-  const __m256i low = _mm256_cvtepu8_epi32((__m128i)b);
-  const __m256i high = _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)b, 8));
-  vi out;
-  std::memcpy(&out, &low, 32);
-  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
-  return out;
+  return (vi)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(std::bit_cast<int64_t>(b)));
 #else
   return __builtin_convertvector(b, vi);
 #endif
@@ -91,18 +93,20 @@ inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
 inline float max_lane(vf v) {
   float top = v[0];
-  for (int k = 1; k < 16; ++k) top = std::max(top, v[k]);
+  for (int k = 1; k < W; ++k) top = std::max(top, v[k]);
   return top;
 }
 
 inline float sum_lanes(vf v) {
   float total = 0.0f;
-  for (int k = 0; k < 16; ++k) total += v[k];
+  for (int k = 0; k < W; ++k) total += v[k];
   return total;
 }
 
-// The lane sums of 16 vectors, as one vector (lane r: the sum of a[r]), by halving shuffles.
-inline vf reduce16(const vf* a) {
+// The lane sums of W vectors, as one vector (lane r: the sum of a[r]), by halving shuffles: each level
+// adds the two halves of every block, packing two vectors' blocks into one.
+#if defined(__AVX512F__)
+inline vf reduce_lanes(const vf* a) {
   vf b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i) {
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -119,10 +123,30 @@ inline vf reduce16(const vf* a) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline vf reduce_lanes(const vf* a) {
+  vf b[4], c[2];
+  for (int i = 0; i < 4; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
-// IEEE half to float with integer and float operations (the conversion of Maratyszcza's FP16
-// library, which c10::Half also uses; exact for every input).
+// IEEE half to float: F16C's conversion where there is one, otherwise integer and float operations
+// (the conversion of Maratyszcza's FP16 library, which c10::Half also uses; exact for every input).
 inline vf halves_to_floats(vh h) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps((__m128i)h);
+#else
   const vu w = __builtin_convertvector(h, vu) << 16;
   const vu sign = w & 0x80000000u;
   const vu two_w = w + w;
@@ -130,6 +154,7 @@ inline vf halves_to_floats(vh h) {
   const vf denormalized = (vf)((two_w >> 17) | (126u << 23)) - 0.5f;
   const vu magnitude = two_w < (1u << 27) ? (vu)denormalized : (vu)normalized;
   return (vf)(sign | magnitude);
+#endif
 }
 
 inline float half_to_float(uint16_t h) {  // the same conversion, one value
@@ -142,6 +167,61 @@ inline float half_to_float(uint16_t h) {  // the same conversion, one value
   return std::bit_cast<float>((w & 0x80000000u) | magnitude);
 }
 
+enum class Format { fp32, fp16, bf16, int8, int4, int3 };
+
+// Channels [W c, W c + W) of a row of 16-bit floats, as floats.
+template <bool BF16>
+inline __attribute__((always_inline)) vf sixteen_bits(const uint8_t* raw, int64_t c) {
+  vh h;
+  std::memcpy(&h, raw + 2 * W * c, sizeof h);
+  if constexpr (BF16) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
+#else
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+  } else {
+    return halves_to_floats(h);
+  }
+}
+
+// Channels [W c, W c + W) of a row's codes, as floats (widened to 32-bit lanes first: x86 has
+// per-lane shifts and conversions for those, not for bytes).
+template <Format F>
+inline __attribute__((always_inline)) vf codes(const uint8_t* raw, int64_t c) {
+  vi lanes;
+  if constexpr (F == Format::int8) {
+    vb b;
+    std::memcpy(&b, raw + W * c, W);
+    return __builtin_convertvector(widen(b), vf);
+  } else if constexpr (F == Format::int4) {  // even channels in the low nibble: each byte twice, shifted by 0 and 4
+    vb_half b;
+    std::memcpy(&b, raw + W / 2 * c, W / 2);
+#if defined(__AVX512F__)
+    const vb pairs = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+#else
+    const vb pairs = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3);
+#endif
+    for (int64_t k = 0; k < W; ++k) lanes[k] = 4 * (k % 2);
+    return __builtin_convertvector((widen(pairs) >> lanes) & 15, vf);
+  } else {  // 3 bits: eight codes per three bytes (one 24-bit word), the first channel lowest
+    const uint8_t* w = raw + 3 * W / 8 * c;
+    const int32_t first = w[0] | (w[1] << 8) | (w[2] << 16);
+#if defined(__AVX512F__)
+    const int32_t second = w[3] | (w[4] << 8) | (w[5] << 16);
+    const vi words = {first, first, first, first, first, first, first, first,
+                      second, second, second, second, second, second, second, second};
+#else
+    const vi words = vi{} + first;
+#endif
+    for (int64_t k = 0; k < W; ++k) lanes[k] = 3 * (k % 8);
+    lanes = words >> lanes;
+    return __builtin_convertvector(lanes & 7, vf);
+  }
+}
+
 // Keys or values of one layer as stored: rows (H, L, D) of `bits` bits (32: fp32, 16: fp16 or bf16,
 // 8/4/3: group codes), read a tile of rows at a time.
 struct Rows {
@@ -151,30 +231,32 @@ struct Rows {
   const uint16_t* minimums = nullptr;
   int64_t scale_head_stride = 0, scale_row_stride = 0;  // elements
   int64_t groups = 1;
-  int64_t group_of_vector[16] = {};  // the group of channels 16c..16c+15, where a group spans whole vectors
-  int64_t bits = 32;
-  bool bf16 = false;
+  int64_t group_of_vector[256 / W] = {};  // the group of channels [W c, W c + W), where a group spans whole vectors
+  Format format = Format::fp32;
 
   // Rows [start, start + count) of `head` as a (count, D) fp32 tile: the data itself where it is
   // contiguous fp32, otherwise decoded into `tile` (codes: their scales and minimums converted first,
-  // 16 at a time, into `factors`, count * groups each).
+  // W at a time, into `factors`, count * groups each). The format is dispatched here, once per tile.
   template <int64_t D>
   const float* rows(int64_t head, int64_t start, int64_t count, float* tile, float* factors) const {
     const uint8_t* first = data + head * head_stride + start * row_stride;
-    if (bits == 32 && row_stride == D * 4) return reinterpret_cast<const float*>(first);
-    if (bits == 32 || bits == 16) {
-      for (int64_t j = 0; j < count; ++j) decode_row<D>(first + j * row_stride, nullptr, nullptr, tile + j * D);
-      return tile;
+    switch (format) {
+      case Format::fp32:
+        if (row_stride == D * 4) return reinterpret_cast<const float*>(first);
+        return decode_rows<D, Format::fp32>(first, count, nullptr, nullptr, tile);
+      case Format::fp16: return decode_rows<D, Format::fp16>(first, count, nullptr, nullptr, tile);
+      case Format::bf16: return decode_rows<D, Format::bf16>(first, count, nullptr, nullptr, tile);
+      default: break;
     }
     const int64_t offset = head * scale_head_stride + start * scale_row_stride, n = count * groups;
     float* scale = factors;
     float* minimum = factors + n;
     if (scale_row_stride == groups) {  // the tile's factors are contiguous
       int64_t i = 0;
-      for (; i + 16 <= n; i += 16) {
+      for (; i + W <= n; i += W) {
         vh s, m;
-        std::memcpy(&s, scales + offset + i, 32);
-        std::memcpy(&m, minimums + offset + i, 32);
+        std::memcpy(&s, scales + offset + i, sizeof s);
+        std::memcpy(&m, minimums + offset + i, sizeof m);
         store(scale + i, halves_to_floats(s));
         store(minimum + i, halves_to_floats(m));
       }
@@ -190,62 +272,53 @@ struct Rows {
         }
       }
     }
-    for (int64_t j = 0; j < count; ++j)
-      decode_row<D>(first + j * row_stride, scale + j * groups, minimum + j * groups, tile + j * D);
-    return tile;
+    switch (format) {
+      case Format::int8: return decode_rows<D, Format::int8>(first, count, scale, minimum, tile);
+      case Format::int4: return decode_rows<D, Format::int4>(first, count, scale, minimum, tile);
+      default: return decode_rows<D, Format::int3>(first, count, scale, minimum, tile);
+    }
   }
 
-  // 16 channels' codes from the row's bytes, as floats (widened to 32-bit lanes first: x86 has
-  // per-lane shifts and conversions for those, not for bytes)
-  vf codes16(const uint8_t* raw, int64_t c) const {
-    if (bits == 8) {
-      vb16 b;
-      std::memcpy(&b, raw + 16 * c, 16);
-      return __builtin_convertvector(widen(b), vf);
+  // Ask for rows [start, start + count) of `head` (and their scales and minimums) to be cached.
+  void prefetch(int64_t head, int64_t start, int64_t count) const {
+    const uint8_t* first = data + head * head_stride + start * row_stride;
+    const int64_t bytes = count * row_stride;
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(first + at);
+    if (scales == nullptr) return;
+    const int64_t offset = head * scale_head_stride + start * scale_row_stride, factor_bytes = count * scale_row_stride * 2;
+    for (int64_t at = 0; at < factor_bytes; at += 64) {
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(scales + offset) + at);
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(minimums + offset) + at);
     }
-    if (bits == 4) {  // even channels in the low nibble
-      vb8 b;
-      std::memcpy(&b, raw + 8 * c, 8);
-      const vb16 pairs = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-      const vi shifts = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
-      return __builtin_convertvector((widen(pairs) >> shifts) & 15, vf);
-    }
-    // 3 bits: eight codes per three bytes, the first channel lowest
-    const uint8_t* w = raw + 6 * c;
-    const int32_t first = w[0] | (w[1] << 8) | (w[2] << 16), second = w[3] | (w[4] << 8) | (w[5] << 16);
-    const vi words = {first, first, first, first, first, first, first, first,
-                      second, second, second, second, second, second, second, second};
-    const vi shifts = {0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21};
-    return __builtin_convertvector((words >> shifts) & 7, vf);
   }
 
-  // One row as D floats: fp32 copied, 16-bit converted, codes times their group's scale plus its minimum
-  // (the two roundings of decode_groups_into).
-  template <int64_t D>
-  void decode_row(const uint8_t* raw, const float* scale, const float* minimum, float* out) const {
-    constexpr int64_t C = D / 16;
-    if (bits == 32) {
-      std::memcpy(out, raw, D * 4);
-      return;
-    }
-    if (bits == 16) {
-      for (int64_t c = 0; c < C; ++c) {
-        vh h;
-        std::memcpy(&h, raw + 32 * c, 32);
-        store(out + 16 * c, bf16 ? (vf)(__builtin_convertvector(h, vu) << 16) : halves_to_floats(h));
-      }
-      return;
-    }
+  // `count` rows as (count, D) floats: fp32 copied, 16-bit converted, codes times their group's scale
+  // plus its minimum (the two roundings of decode_groups_into).
+  template <int64_t D, Format F>
+  const float* decode_rows(const uint8_t* first, int64_t count, const float* scale, const float* minimum,
+                           float* tile) const {
+    constexpr int64_t C = D / W;
     const int64_t width = D / groups;
-    if (width % 16 == 0) {
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t g = group_of_vector[c];
-        store(out + 16 * c, codes16(raw, c) * scale[g] + minimum[g]);
+    for (int64_t j = 0; j < count; ++j) {
+      const uint8_t* raw = first + j * row_stride;
+      float* out = tile + j * D;
+      if constexpr (F == Format::fp32) {
+        std::memcpy(out, raw, D * 4);
+      } else if constexpr (F == Format::fp16 || F == Format::bf16) {
+        for (int64_t c = 0; c < C; ++c) store(out + W * c, sixteen_bits<F == Format::bf16>(raw, c));
+      } else if (width % W == 0) {
+        const float* row_scale = scale + j * groups;
+        const float* row_minimum = minimum + j * groups;
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t g = group_of_vector[c];
+          store(out + W * c, codes<F>(raw, c) * row_scale[g] + row_minimum[g]);
+        }
+      } else {  // groups narrower than a vector
+        for (int64_t c = 0; c < C; ++c) store(out + W * c, codes<F>(raw, c));
+        for (int64_t d = 0; d < D; ++d) out[d] = out[d] * scale[j * groups + d / width] + minimum[j * groups + d / width];
       }
-      return;
     }
-    for (int64_t c = 0; c < C; ++c) store(out + 16 * c, codes16(raw, c));
-    for (int64_t d = 0; d < D; ++d) out[d] = out[d] * scale[d / width] + minimum[d / width];
+    return tile;
   }
 };
 
@@ -257,12 +330,11 @@ Rows plain_rows(const at::Tensor& t) {
   rows.head_stride = t.stride(0) * t.element_size();
   rows.row_stride = t.stride(1) * t.element_size();
   if (t.scalar_type() == at::kFloat) {
-    rows.bits = 32;
+    rows.format = Format::fp32;
   } else {
     TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
                 "plain rows must be float32, float16 or bfloat16, got ", t.scalar_type());
-    rows.bits = 16;
-    rows.bf16 = t.scalar_type() == at::kBFloat16;
+    rows.format = t.scalar_type() == at::kBFloat16 ? Format::bf16 : Format::fp16;
   }
   return rows;
 }
@@ -271,7 +343,7 @@ Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales
                  const std::optional<at::Tensor>& minimums, int64_t bits, int64_t dim) {
   if (bits == 32 || bits == 16) {
     Rows rows = plain_rows(data);
-    TORCH_CHECK(rows.bits == bits, "bits=", bits, " but the rows are ", data.scalar_type());
+    TORCH_CHECK((rows.format == Format::fp32) == (bits == 32), "bits=", bits, " but the rows are ", data.scalar_type());
     TORCH_CHECK(data.size(2) == dim, "rows of ", data.size(2), " channels, the query has ", dim);
     return rows;
   }
@@ -298,8 +370,8 @@ Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales
   rows.scale_head_stride = s.stride(0);
   rows.scale_row_stride = s.stride(1);
   rows.groups = s.size(2);
-  for (int64_t c = 0; c < 16; ++c) rows.group_of_vector[c] = 16 * c / (dim / rows.groups);
-  rows.bits = bits;
+  for (int64_t c = 0; c < dim / W; ++c) rows.group_of_vector[c] = W * c / (dim / rows.groups);
+  rows.format = bits == 8 ? Format::int8 : bits == 4 ? Format::int4 : Format::int3;
   return rows;
 }
 
@@ -310,20 +382,20 @@ struct Partial {
   float* out;      // (G, D)
 };
 
-// Scores of rows [0, n) of a (n, D) tile (n <= 16) for one query (C vectors), plus the bias.
+// Scores of rows [0, n) of a (n, D) tile (n <= W) for one query (C vectors), plus the bias.
 template <int64_t D>
-inline vf scores16(const vf* query, const float* tile, int64_t n, const float* bias) {
-  constexpr int64_t C = D / 16;
-  vf acc[16];
-  for (int64_t r = 0; r < 16; ++r) {
+inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const float* bias) {
+  constexpr int64_t C = D / W;
+  vf acc[W];
+  for (int64_t r = 0; r < W; ++r) {
     acc[r] = vf{};
     if (r >= n) continue;
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < C; ++c) acc[r] += query[c] * load(tile + r * D + 16 * c);
+#pragma GCC unroll 32
+    for (int64_t c = 0; c < C; ++c) acc[r] += query[c] * load(tile + r * D + W * c);
   }
-  vf sums = reduce16(acc);
+  vf sums = reduce_lanes(acc);
   if (bias != nullptr) {
-    if (n == 16) return sums + load(bias);
+    if (n == W) return sums + load(bias);
     for (int64_t r = 0; r < n; ++r) sums[r] += bias[r];
   }
   return sums;
@@ -335,23 +407,28 @@ inline vf scores16(const vf* query, const float* tile, int64_t n, const float* b
 template <int64_t D>
 void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
                  int64_t head, int64_t begin, int64_t end, Partial partial) {
-  constexpr int64_t C = D / 16, SLICES = ENTRIES_PER_PASS / 16;
+  constexpr int64_t C = D / W, SLICES = ENTRIES_PER_PASS / W;
   alignas(64) float scores[MAX_GROUP][ENTRIES_PER_PASS];
   alignas(64) float tile[ENTRIES_PER_PASS * D];
   alignas(64) float factors[ENTRIES_PER_PASS * D];  // scales and minimums of coded rows (at most D / 2 groups)
   vf q[MAX_GROUP][C];
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < C; ++c) q[g][c] = load(query + g * D + 16 * c);
+    for (int64_t c = 0; c < C; ++c) q[g][c] = load(query + g * D + W * c);
   for (int64_t start = begin; start < end; start += ENTRIES_PER_PASS) {
-    const int64_t count = std::min(ENTRIES_PER_PASS, end - start), slices = (count + 15) / 16;
-    // -- scores of the pass, 16 rows at a time (padding lanes -inf)
+    const int64_t count = std::min(ENTRIES_PER_PASS, end - start), slices = (count + W - 1) / W;
+    if (start + count < end) {  // the next pass's rows start coming from memory while this one computes
+      const int64_t next = std::min(ENTRIES_PER_PASS, end - start - count);
+      keys.prefetch(head, start + count, next);
+      values.prefetch(head, start + count, next);
+    }
+    // -- scores of the pass, W rows at a time (padding lanes -inf)
     const float* key = keys.rows<D>(head, start, count, tile, factors);
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t s = 0; s < slices; ++s) {
-        const int64_t n = std::min<int64_t>(16, count - 16 * s);
-        vf sums = scores16<D>(q[g], key + 16 * s * D, n, bias == nullptr ? nullptr : bias + start + 16 * s);
-        for (int64_t r = n; r < 16; ++r) sums[r] = -INFINITY;
-        store(scores[g] + 16 * s, sums);
+        const int64_t n = std::min<int64_t>(W, count - W * s);
+        vf sums = scores_of_rows<D>(q[g], key + W * s * D, n, bias == nullptr ? nullptr : bias + start + W * s);
+        for (int64_t r = n; r < W; ++r) sums[r] = -INFINITY;
+        store(scores[g] + W * s, sums);
       }
     }
     // -- new maximum and sum; scores become weights, the outputs so far are rescaled
@@ -359,19 +436,19 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     for (int64_t g = 0; g < group; ++g) {
       vf top = splat(partial.maximum[g]);
       for (int64_t s = 0; s < slices; ++s) {
-        const vf x = load(scores[g] + 16 * s);
+        const vf x = load(scores[g] + W * s);
         top = x > top ? x : top;
       }
       const float maximum = max_lane(top);
       if (maximum == -INFINITY) {  // every entry so far is padding: weights 0, nothing to rescale
-        std::fill(scores[g], scores[g] + SLICES * 16, 0.0f);
+        std::fill(scores[g], scores[g] + SLICES * W, 0.0f);
         rescale[g] = 1.0f;
         continue;
       }
       vf total = vf{};
       for (int64_t s = 0; s < slices; ++s) {
-        const vf weights = exp_nonpositive(load(scores[g] + 16 * s) - maximum);
-        store(scores[g] + 16 * s, weights);
+        const vf weights = exp_nonpositive(load(scores[g] + W * s) - maximum);
+        store(scores[g] + W * s, weights);
         total += weights;
       }
       rescale[g] = exp_nonpositive(partial.maximum[g] - maximum);
@@ -383,13 +460,13 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     for (int64_t g = 0; g < group; ++g) {
       vf out[C];
       float* target = partial.out + g * D;
-      for (int64_t c = 0; c < C; ++c) out[c] = load(target + 16 * c) * rescale[g];
+      for (int64_t c = 0; c < C; ++c) out[c] = load(target + W * c) * rescale[g];
       for (int64_t j = 0; j < count; ++j) {
         const float weight = scores[g][j];
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < C; ++c) out[c] += weight * load(value + j * D + 16 * c);
+#pragma GCC unroll 32
+        for (int64_t c = 0; c < C; ++c) out[c] += weight * load(value + j * D + W * c);
       }
-      for (int64_t c = 0; c < C; ++c) store(target + 16 * c, out[c]);
+      for (int64_t c = 0; c < C; ++c) store(target + W * c, out[c]);
     }
   }
 }

@@ -1,0 +1,144 @@
+"""Time the CPU attention kernel against its torch twin, per storage, at the default model's shapes.
+
+    python -m semanticache_rag.kernels.bench_cpu [--tokens 2000 4000 7000] [--storage fp32 fp16 int4]
+        [--layers 30] [--kv-heads 3] [--group 3] [--dim 64] [--threads 2] [--json results.json]
+
+One decoding step's attention over a whole model: ``--layers`` document layers of ``--tokens``
+entries (each layer its own tensors, so they come from memory, not from cache, as in a real step),
+keys and values stored as ``--storage``, a ``log s`` bias and 16 appended tokens. For each: the
+kernel's and the twin's time (median of ``--repeats``), the bytes the document occupies (codes,
+scales, minimums, bias), those bytes per second, and the floor: bytes / this machine's read
+bandwidth, measured here first (``torch.sum`` of 512 MiB with the same threads). ``x floor`` is
+time / floor: 1.0 would be a kernel that only waits for memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from semanticache_rag.kernels import decode_attention_cpu, decode_attention_ref
+
+STORAGES = ("fp32", "fp16", "bf16", "int8", "int4", "int3")
+APPENDED = 16
+
+
+@dataclass
+class Row:
+    """The attention of one step over every layer, for one storage and length."""
+
+    storage: str
+    tokens: int
+    mbytes: float
+    kernel_ms: float
+    twin_ms: float
+    kernel_gbps: float
+    floor_ms: float
+
+    @property
+    def x_floor(self) -> float:
+        return self.kernel_ms / self.floor_ms
+
+
+def read_bandwidth() -> float:
+    """Bytes per second one ``sum`` over 512 MiB reads, median of 7."""
+    data = torch.ones(128 * 1024 * 1024)
+    data.sum()
+    return data.numel() * 4 / _median_seconds(data.sum, 7)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def stored(x: torch.Tensor, storage: str, group_size: int = 32) -> tuple:
+    """``x`` (H, L, D) as the operator takes it: (data, scales, minimums, bits)."""
+    from semanticache_rag.kv import QuantizedTensor
+
+    if storage == "fp32":
+        return x, None, None, 32
+    if storage in ("fp16", "bf16"):
+        return x.to(torch.float16 if storage == "fp16" else torch.bfloat16), None, None, 16
+    code = QuantizedTensor.encode(x[None], int(storage[3:]), min(group_size, x.shape[-1]))
+    return code.codes[0], code.scales[0], code.minimums[0], int(storage[3:])
+
+
+def layer_inputs(kv_heads: int, group: int, dim: int, tokens: int, storage: str, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(kv_heads, group, dim, generator=g) * dim**-0.5
+    keys, values = torch.randn(2, kv_heads, tokens, dim, generator=g)
+    bias = torch.randint(1, 5, (kv_heads, tokens), generator=g).float().log()
+    new = torch.randn(2, kv_heads, APPENDED, dim, generator=g)
+    return (query, *stored(keys, storage), *stored(values, storage), bias, new[0], new[1])
+
+
+def nbytes(args: tuple) -> int:
+    """Bytes of the document side: stored keys and values, their scales and minimums, the bias."""
+    return sum(t.numel() * t.element_size() for t in (*args[1:4], *args[5:8], args[9]) if t is not None)
+
+
+def measure(storage: str, tokens: int, layers: int, kv_heads: int, group: int, dim: int, repeats: int,
+            bandwidth: float) -> Row:  # fmt: skip
+    every = [layer_inputs(kv_heads, group, dim, tokens, storage, seed) for seed in range(layers)]
+
+    def step(attend) -> None:
+        for args in every:
+            attend(*args)
+
+    kernel = _median_seconds(lambda: step(decode_attention_cpu.decode_attention), repeats)
+    twin = _median_seconds(lambda: step(decode_attention_ref.decode_attention), max(3, repeats // 3))
+    total = sum(nbytes(args) for args in every)
+    return Row(storage, tokens, total / 1e6, kernel * 1e3, twin * 1e3, total / kernel / 1e9, total / bandwidth * 1e3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 4000, 7000])
+    parser.add_argument("--storage", nargs="+", choices=STORAGES, default=list(STORAGES))
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--group", type=int, default=3, help="query heads per kv head")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not decode_attention_cpu.supports(args.dim, args.group):
+        parser.error(f"the kernel takes head dims {decode_attention_cpu.DIMS} and groups up to 16")
+    if not decode_attention_cpu.available():
+        print("the CPU attention kernel did not build here (see the warning); nothing to time")
+        return 1
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads; "
+          f"{args.layers} layers x {args.kv_heads} kv heads x {args.group} query heads each, head dim {args.dim}")  # fmt: skip
+    print(f"{'storage':>8} {'tokens':>7} {'MB':>7} {'kernel ms':>10} {'twin ms':>8} {'GB/s':>6} {'x floor':>8}")
+    rows = []
+    with torch.inference_mode():
+        for tokens in args.tokens:
+            for storage in args.storage:
+                row = measure(storage, tokens, args.layers, args.kv_heads, args.group, args.dim, args.repeats, bandwidth)
+                rows.append(row)
+                print(f"{row.storage:>8} {row.tokens:>7} {row.mbytes:>7.1f} {row.kernel_ms:>10.2f} "
+                      f"{row.twin_ms:>8.2f} {row.kernel_gbps:>6.1f} {row.x_floor:>8.2f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"read_gbps": bandwidth / 1e9, "threads": torch.get_num_threads(),
+                       "rows": [{**asdict(r), "x_floor": r.x_floor} for r in rows]}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
