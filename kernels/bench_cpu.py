@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-
 from semanticache_rag.kernels import decode_attention_cpu, decode_attention_ref
 
 STORAGES = ("fp32", "fp16", "bf16", "int8", "int4", "int3")
@@ -122,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         print("the CPU attention kernel did not build here (see the warning); nothing to time")
         return 1
     bandwidth = read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads; "
-          f"{args.layers} layers x {args.kv_heads} kv heads x {args.group} query heads each, head dim {args.dim}")  # fmt: skip
+    shape = f"{args.layers} layers x {args.kv_heads} kv heads x {args.group} query heads each, head dim {args.dim}"
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads; {shape}")
     print(f"{'storage':>8} {'tokens':>7} {'MB':>7} {'kernel ms':>10} {'twin ms':>8} {'GB/s':>6} {'x floor':>8}")
     rows = []
     with torch.inference_mode():
         for tokens in args.tokens:
             for storage in args.storage:
-                row = measure(storage, tokens, args.layers, args.kv_heads, args.group, args.dim, args.repeats, bandwidth)
+                row = measure(
+                    storage, tokens, args.layers, args.kv_heads, args.group, args.dim, args.repeats, bandwidth
+                )
                 rows.append(row)
                 print(f"{row.storage:>8} {row.tokens:>7} {row.mbytes:>7.1f} {row.kernel_ms:>10.2f} "
                       f"{row.twin_ms:>8.2f} {row.kernel_gbps:>6.1f} {row.x_floor:>8.2f}")  # fmt: skip

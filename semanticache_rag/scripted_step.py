@@ -17,7 +17,7 @@ This module has no ``from __future__ import annotations``: TorchScript reads the
 """
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,9 @@ def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torc
     return decode_groups_into(data, parts[1], parts[2], bits, out)
 
 
-def kernel_arguments(kind: str, parts: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], int]:
+def kernel_arguments(
+    kind: str, parts: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
     """A side stored as ``kind`` (not ``"low_rank"``) as the attention kernel takes it: rows or codes,
     scales, minimums, bits (:mod:`semanticache_rag.kernels.decode_attention_ref`)."""
     if kind == "plain":
@@ -63,7 +65,7 @@ def kernel_attention(
     key_kind: str,
     values: list[torch.Tensor],
     value_kind: str,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     appended_keys: torch.Tensor,
     appended_values: torch.Tensor,
 ) -> torch.Tensor:
