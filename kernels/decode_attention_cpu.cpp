@@ -387,11 +387,18 @@ template <int64_t D>
 inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const float* bias) {
   constexpr int64_t C = D / W;
   vf acc[W];
-  for (int64_t r = 0; r < W; ++r) {
-    acc[r] = vf{};
-    if (r >= n) continue;
+  // ROWS rows at a time: their sums and the query's C vectors stay in the registers
+  constexpr int64_t ROWS = W == 16 ? 8 : 4;
+  for (int64_t r0 = 0; r0 < W; r0 += ROWS) {
+    vf part[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) part[r] = vf{};
 #pragma GCC unroll 32
-    for (int64_t c = 0; c < C; ++c) acc[r] += query[c] * load(tile + r * D + W * c);
+    for (int64_t c = 0; c < C; ++c) {
+      const vf q = query[c];
+      for (int64_t r = 0; r < ROWS; ++r)
+        if (r0 + r < n) part[r] += q * load(tile + (r0 + r) * D + W * c);
+    }
+    for (int64_t r = 0; r < ROWS; ++r) acc[r0 + r] = part[r];
   }
   vf sums = reduce_lanes(acc);
   if (bias != nullptr) {
@@ -399,6 +406,37 @@ inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const fl
     for (int64_t r = 0; r < n; ++r) sums[r] += bias[r];
   }
   return sums;
+}
+
+// Query heads and channel vectors whose weighted values are summed together: each value vector is loaded
+// once for GROUP_BLOCK heads, and GROUP_BLOCK x VALUE_BLOCK sums, the heads' weights and the loaded vector
+// fit in the registers (16 with AVX2, 32 with AVX-512).
+#if defined(__AVX512F__)
+#define GROUP_BLOCK_SIZE 4
+#else
+#define GROUP_BLOCK_SIZE 3
+#endif
+constexpr int64_t GROUP_BLOCK = GROUP_BLOCK_SIZE, VALUE_BLOCK = 4;
+
+// out[b][W k] (b < GB: query heads, k < CB: channel vectors; head b's row at out + b * D) rescaled by
+// rescale[b], plus the sum over rows j < count of weights[b][j] * value[j][c + k].
+template <int64_t D, int64_t GB, int64_t CB>
+inline void add_values(const float* value, int64_t count, const float (*weights)[ENTRIES_PER_PASS],
+                       const float* rescale, float* out, int64_t c) {
+  vf sums[GB][CB];
+  for (int64_t b = 0; b < GB; ++b)
+    for (int64_t k = 0; k < CB; ++k) sums[b][k] = load(out + b * D + W * k) * rescale[b];
+  const float* column = value + W * c;
+  for (int64_t j = 0; j < count; ++j) {
+    vf weight[GB];
+    for (int64_t b = 0; b < GB; ++b) weight[b] = splat(weights[b][j]);
+    for (int64_t k = 0; k < CB; ++k) {
+      const vf v = load(column + j * D + W * k);
+      for (int64_t b = 0; b < GB; ++b) sums[b][k] += weight[b] * v;
+    }
+  }
+  for (int64_t b = 0; b < GB; ++b)
+    for (int64_t k = 0; k < CB; ++k) store(out + b * D + W * k, sums[b][k]);
 }
 
 // Online-softmax update of `partial` with entries [begin, end) of `keys`/`values` (one kv head), in
@@ -455,18 +493,22 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
       partial.total[g] = partial.total[g] * rescale[g] + sum_lanes(total);
       partial.maximum[g] = maximum;
     }
-    // -- weighted values
+    // -- weighted values, GROUP_BLOCK query heads and VALUE_BLOCK channel vectors at a time
     const float* value = values.rows<D>(head, start, count, tile, factors);
-    for (int64_t g = 0; g < group; ++g) {
-      vf out[C];
-      float* target = partial.out + g * D;
-      for (int64_t c = 0; c < C; ++c) out[c] = load(target + W * c) * rescale[g];
-      for (int64_t j = 0; j < count; ++j) {
-        const float weight = scores[g][j];
-#pragma GCC unroll 32
-        for (int64_t c = 0; c < C; ++c) out[c] += weight * load(value + j * D + W * c);
+    constexpr int64_t CB = std::min(C, VALUE_BLOCK);
+    for (int64_t g = 0; g < group; g += GROUP_BLOCK) {
+      for (int64_t c = 0; c < C; c += CB) {
+        switch (std::min(GROUP_BLOCK, group - g)) {
+          case 1: add_values<D, 1, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c); break;
+          case 2: add_values<D, 2, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c); break;
+#if GROUP_BLOCK_SIZE > 3
+          case 3: add_values<D, 3, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c); break;
+          default: add_values<D, 4, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c);
+#else
+          default: add_values<D, 3, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c);
+#endif
+        }
       }
-      for (int64_t c = 0; c < C; ++c) store(target + W * c, out[c]);
     }
   }
 }
