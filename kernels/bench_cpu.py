@@ -101,6 +101,29 @@ def measure(storage: str, tokens: int, layers: int, kv_heads: int, group: int, d
     return Row(storage, tokens, total / 1e6, kernel * 1e3, twin * 1e3, total / kernel / 1e9, total / bandwidth * 1e3)
 
 
+def markdown(rows: list[Row], bandwidth: float, shape: str, argv: list[str] | None) -> str:
+    """The rows as a table, with the command, the shapes, the bandwidth and the machine."""
+    import platform
+    import sys
+
+    command = " ".join(["python -m semanticache_rag.kernels.bench_cpu", *(sys.argv[1:] if argv is None else argv)])
+    lines = [
+        "# The CPU decode kernel against its torch twin",
+        "",
+        f"`{command}`: one step's attention over {shape}, plus {APPENDED} appended tokens; "
+        f"{torch.get_num_threads()} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        "(floor = the document's bytes / that); median times.",
+        "",
+        "| storage | tokens | MB read | kernel ms | torch twin ms | kernel GB/s | x floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.storage} | {r.tokens} | {r.mbytes:.1f} | {r.kernel_ms:.2f} | {r.twin_ms:.2f} | "
+                     f"{r.kernel_gbps:.1f} | {r.x_floor:.2f} |")  # fmt: skip
+    lines += ["", f"Environment: {platform.machine()}, torch {torch.__version__}, Python {platform.python_version()}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 4000, 7000])
@@ -112,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--markdown", default=None, help="and a table here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"{row.storage:>8} {row.tokens:>7} {row.mbytes:>7.1f} {row.kernel_ms:>10.2f} "
                       f"{row.twin_ms:>8.2f} {row.kernel_gbps:>6.1f} {row.x_floor:>8.2f}")  # fmt: skip
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, bandwidth, shape, argv))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read_gbps": bandwidth / 1e9, "threads": torch.get_num_threads(),

@@ -36,10 +36,39 @@ def semanticache_attention(module, query, key, value, attention_mask, scaling=No
         observe(module.layer_idx, query, document, scaling)
     if document is None:
         out = proportional_attention(query, key, value, scaling=scaling)
+    elif observe is None and (out := _kernel_step(module.layer_idx, state, query, key, value, scaling)) is not None:
+        pass
     else:
         doc_keys, doc_values, doc_log_sizes = state.document_tensors(module.layer_idx)
         out = proportional_attention(query, key, value, doc_keys, doc_values, doc_log_sizes, scaling=scaling)
     return out, None
+
+
+def _kernel_step(index: int, state, query, key, value, scaling) -> torch.Tensor | None:
+    """One CPU token's attention over layer ``index``'s document as stored, through the C++ kernel
+    (:mod:`semanticache_rag.kernels.decode_attention_cpu`), as the converted-weights step makes it;
+    ``None`` where that does not apply (a GPU, several tokens, a batch, low-rank sides, no kernel)."""
+    from semanticache_rag import scripted_step
+    from semanticache_rag.kernels import decode_attention_cpu
+
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    if batch != 1 or length != 1 or query.device.type != "cpu" or query.dtype != torch.float32:
+        return None
+    if not decode_attention_cpu.supports(dim, heads // kv_heads) or not decode_attention_cpu.available():
+        return None
+    if getattr(state, "step_inputs", ()) is None:
+        state.step_inputs = scripted_step.step_inputs(state) or ()
+    inputs = getattr(state, "step_inputs", ())
+    if not inputs or "low_rank" in (inputs[1][index], inputs[3][index]):
+        return None
+    keys, key_kinds, values, value_kinds, biases, _ = inputs
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = (query[0, :, 0] * scale).view(kv_heads, heads // kv_heads, dim)
+    out = scripted_step.kernel_attention(
+        grouped, keys[index], key_kinds[index], values[index], value_kinds[index], biases[index], key[0], value[0]
+    )
+    return out.view(1, 1, heads, dim)
 
 
 def register_attention() -> str:

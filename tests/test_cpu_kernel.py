@@ -164,3 +164,58 @@ def test_a_failed_build_warns_once_and_keeps_the_torch_ops(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         assert decode_attention_cpu.available.__wrapped__() is False
     assert "c++: command not found" in caplog.text and "pip install ninja" in caplog.text
+
+
+def test_the_benchmark_times_every_storage_it_is_given(kernel, tmp_path):
+    """``python -m semanticache_rag.kernels.bench_cpu`` at a tiny size: one row per storage and length,
+    with the bytes each storage occupies (codes are smaller than fp32) and positive times."""
+    import json
+
+    from semanticache_rag.kernels import bench_cpu
+
+    out, table = tmp_path / "rows.json", tmp_path / "kernel.md"
+    argv = ["--tokens", "64", "--layers", "2", "--repeats", "1", "--storage", "fp32", "int4", "--json", str(out)]
+    assert bench_cpu.main([*argv, "--markdown", str(table)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["storage"], r["tokens"]) for r in rows] == [("fp32", 64), ("int4", 64)]
+    assert rows[1]["mbytes"] < rows[0]["mbytes"] / 4
+    assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 for r in rows)
+    assert table.read_text().count("\n| int4 | 64 |") == 1
+
+
+@pytest.mark.parametrize("compression", [("none", None), ("semanticache", 0.75), ("kaizen", 0.75)])
+def test_the_model_weights_step_attends_through_the_kernel(
+    kernel, tiny_llama, tiny_tokenizer, monkeypatch, compression
+):
+    """With the weights as loaded (transformers' forward), a one-token step attends each document layer
+    through the kernel, stored as it is (Kaizen's codes too), and its logits are the torch ops' to fp32
+    rounding; prompts of several tokens keep the torch ops."""
+    from semanticache_rag import Engine, make_compressor, scripted_step
+    from semanticache_rag.kv import ConversationKV
+
+    engine = Engine(tiny_llama, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    prefill = engine.prefill("Alpha beta gamma delta. The code is 4417. " * 20, progress=False, surprisal=True)
+    cache = engine.compress(prefill, make_compressor(*compression))
+    calls = []
+    real = scripted_step.kernel_attention
+    monkeypatch.setattr(scripted_step, "kernel_attention", lambda *a: calls.append(a[2]) or real(*a))
+
+    def steps(use_kernel: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(decode_attention_cpu, "available", lambda: use_kernel)
+        kv = ConversationKV(cache.layers)
+        ids = tiny_tokenizer("Which code?")["input_ids"]
+        logits = [engine.forward(kv, ids, cache.positions)[-1]]
+        for offset, token in enumerate([5, 17, 5]):
+            logits.append(engine.forward(kv, [token], cache.positions + len(ids) + offset)[-1])
+        return logits
+
+    with_kernel = steps(True)
+    inputs = scripted_step.step_inputs(ConversationKV(cache.layers))
+    attended = sum("low_rank" not in kinds for kinds in zip(inputs[1], inputs[3]))  # low-rank sides: torch
+    assert attended > 0 and len(calls) == 3 * attended  # the three one-token steps, not the prompt
+    calls.clear()
+    without = steps(False)
+    assert not calls
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        assert int(a.argmax()) == int(b.argmax())
