@@ -3,7 +3,7 @@
 ``torch.ops.semanticache.decode_attention`` has the torch twin's signature. Its schema is defined
 here, in Python, with the torch twin as the default implementation, so the operator exists (and
 TorchScript can call it) everywhere; :func:`available` then builds ``decode_attention_cpu.cpp``
-with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15 s, once per machine, torch and
+with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
 source version: the library is kept under :func:`~semanticache_rag.models.home_dir` ``/kernels``) and
 loads it, which registers the one-pass kernel for CPU tensors. Where that fails (no C++ compiler,
 no ninja), decoding keeps the torch ops and a warning says why, once.
@@ -82,7 +82,7 @@ def _build() -> None:
     directory = home_dir() / "kernels" / name
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{name}.so").exists():
-        logger.warning("building the CPU attention kernel for this machine (once, ~15 s) in %s", directory)
+        logger.warning("building the CPU attention kernel for this machine (once, ~15-30 s) in %s", directory)
     # cpp_extension locks the directory while it builds (other processes wait) and rebuilds a stale library
     cpp_extension.load(
         name, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(directory), is_python_module=False

@@ -210,11 +210,13 @@ class FusedLlama:
             value = qkv[:, q_size + kv_size :].view(1, kv_heads, 1, dim)
             keys, values = kv.layers[index].update(key, value)
             document = kv.layers[index].document
-            kinds = None if inputs is None or document is None else (inputs[1][index], inputs[3][index])
-            if kinds is not None and "low_rank" not in kinds:  # the scripted step's kernel call, as it makes it
+            if (
+                inputs is not None and document is not None and "low_rank" not in (inputs[1][index], inputs[3][index])
+            ):  # the scripted step's kernel call, as it makes it
                 out = scripted_step.kernel_attention(
-                    query, inputs[0][index], kinds[0], inputs[2][index], kinds[1], inputs[4][index], keys[0], values[0]
-                )
+                    query, inputs[0][index], inputs[1][index], inputs[2][index], inputs[3][index], inputs[4][index],
+                    keys[0], values[0],
+                )  # fmt: skip
             elif document is not None:  # coded layers are attended as stored (semanticache_rag.coded_attention)
                 scores = torch.bmm(query, keys[0].transpose(1, 2))
                 doc_keys, doc_values = coded_attention.stored(document)
