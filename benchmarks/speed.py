@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from semanticache_rag.kernels.bench_cpu import read_bandwidth  # the same 512 MiB sum the kernel's bench uses
 
 from benchmarks.followup_latency import real_document
 from benchmarks.report import environment
@@ -44,18 +45,6 @@ CACHES = (
     ("Kaizen 0.75", "kaizen", 0.75),
     ("Kaizen + SemantiCache 0.9", "kaizen+semanticache", 0.9),
 )
-
-
-def read_bandwidth() -> float:
-    """Bytes per second this machine reads (median ``sum`` of a 512 MiB tensor)."""
-    data = torch.ones(128 * 1024 * 1024)
-    data.sum()
-    times = []
-    for _ in range(7):
-        started = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - started)
-    return data.numel() * data.element_size() / statistics.median(times)
 
 
 def weight_bytes(model) -> int:

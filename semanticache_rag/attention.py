@@ -35,10 +35,9 @@ def semanticache_attention(module, query, key, value, attention_mask, scaling=No
     if observe is not None and document is not None:  # e.g. SeKV scoring spans against a question
         observe(module.layer_idx, query, document, scaling)
     if document is None:
-        out = proportional_attention(query, key, value, scaling=scaling)
-    elif observe is None and (out := _kernel_step(module.layer_idx, state, query, key, value, scaling)) is not None:
-        pass
-    else:
+        return proportional_attention(query, key, value, scaling=scaling), None
+    out = None if observe is not None else _kernel_step(module.layer_idx, state, query, key, value, scaling)
+    if out is None:
         doc_keys, doc_values, doc_log_sizes = state.document_tensors(module.layer_idx)
         out = proportional_attention(query, key, value, doc_keys, doc_values, doc_log_sizes, scaling=scaling)
     return out, None
@@ -57,10 +56,8 @@ def _kernel_step(index: int, state, query, key, value, scaling) -> torch.Tensor 
         return None
     if not decode_attention_cpu.supports(dim, heads // kv_heads) or not decode_attention_cpu.available():
         return None
-    if getattr(state, "step_inputs", ()) is None:
-        state.step_inputs = scripted_step.step_inputs(state) or ()
-    inputs = getattr(state, "step_inputs", ())
-    if not inputs or "low_rank" in (inputs[1][index], inputs[3][index]):
+    inputs = scripted_step.kept_step_inputs(state)
+    if inputs is None or "low_rank" in (inputs[1][index], inputs[3][index]):
         return None
     keys, key_kinds, values, value_kinds, biases, _ = inputs
     scale = dim**-0.5 if scaling is None else scaling

@@ -185,11 +185,7 @@ class FusedLlama:
 
     def _kernel_inputs(self, kv) -> tuple | None:
         """The scripted step's document inputs where the kernel attends them, else ``None``."""
-        if not self.kernel():
-            return None
-        if kv.step_inputs is None:
-            kv.step_inputs = scripted_step.step_inputs(kv) or ()
-        return kv.step_inputs or None
+        return scripted_step.kept_step_inputs(kv) if self.kernel() else None
 
     def _python_layers(self, kv, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The decoder layers for one token, ``x`` (1, hidden), one operation at a time."""
@@ -242,10 +238,8 @@ class FusedLlama:
         """Whether ``kv`` can take the scripted step: document layers it attends
         (:func:`.scripted_step.step_inputs`, kept on ``kv``), every layer's appended buffer started and as
         long as the others."""
-        if kv.step_inputs is None:
-            kv.step_inputs = scripted_step.step_inputs(kv) or ()
         lengths = {layer.length if layer.is_initialized else -1 for layer in kv.layers}
-        return bool(kv.step_inputs) and len(lengths) == 1 and min(lengths) >= 0
+        return scripted_step.kept_step_inputs(kv) is not None and len(lengths) == 1 and min(lengths) >= 0
 
     def _script(self) -> torch.jit.ScriptModule | None:
         """The scripted layers, scripted at the first call (``None`` where TorchScript cannot take them)."""

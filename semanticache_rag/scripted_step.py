@@ -214,6 +214,14 @@ def _stored(code) -> tuple[str, list[torch.Tensor]] | None:
     return None
 
 
+def kept_step_inputs(kv) -> tuple | None:
+    """:func:`step_inputs` of ``kv``, made at the first call and kept on it (a conversation's document
+    layers never change); ``None`` where the step cannot take them."""
+    if kv.step_inputs is None:
+        kv.step_inputs = step_inputs(kv) or ()
+    return kv.step_inputs or None
+
+
 def step_inputs(kv) -> tuple | None:
     """The document inputs of the scripted step for conversation ``kv`` (``None`` where it cannot take
     them): per layer its keys' and values' kinds and tensors, its ``log s``, and the scratch size."""

@@ -14,9 +14,7 @@ import sys
 
 import pytest
 import torch
-from semanticache_rag.kernels import decode_attention_cpu, decode_attention_ref
-
-from semanticache_rag.kv import QuantizedTensor
+from semanticache_rag.kernels import bench_cpu, decode_attention_cpu, decode_attention_ref
 
 REQUIRED = os.environ.get("SEMANTICACHE_REQUIRE_CPU_KERNEL") == "1"
 
@@ -28,17 +26,6 @@ def kernel():
             pytest.fail("the CPU attention kernel did not build (see the warning above)")
         pytest.skip("the CPU attention kernel could not be built here (no C++ compiler?)")
     return decode_attention_cpu.decode_attention
-
-
-def stored_side(x: torch.Tensor, storage: str, group_size: int = 32):
-    """``x`` (H, L, D) stored as ``storage``: (data, scales, minimums, bits)."""
-    if storage == "fp32":
-        return x, None, None, 32
-    if storage in ("fp16", "bf16"):
-        return x.to(torch.float16 if storage == "fp16" else torch.bfloat16), None, None, 16
-    bits = int(storage[3:])
-    code = QuantizedTensor.encode(x[None], bits, group_size)
-    return code.codes[0], code.scales[0], code.minimums[0], bits
 
 
 def inputs(heads, group, dim, length, appended, key_storage, value_storage, group_size=32, seed=0):
@@ -55,8 +42,8 @@ def inputs(heads, group, dim, length, appended, key_storage, value_storage, grou
     new_keys, new_values = buffer[0, :, :appended], buffer[1, :, :appended]  # (H, T, D), rows strided
     return (
         query,
-        *stored_side(keys, key_storage, min(group_size, dim)),
-        *stored_side(values, value_storage, min(group_size, dim)),
+        *bench_cpu.stored(keys, key_storage, min(group_size, dim)),
+        *bench_cpu.stored(values, value_storage, min(group_size, dim)),
         sizes.log(),
         new_keys,
         new_values,
