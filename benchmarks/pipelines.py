@@ -85,6 +85,7 @@ def _langchain_chain(pages, max_new_tokens: int, compression: str, ratio: float 
 
 def _llama_index_engine(pdf: Path, max_new_tokens: int):
     from llama_index.core import SummaryIndex
+
     from semanticache_rag.integrations.llama_index import SemantiCacheLlamaLLM, SemantiCachePDFReader
 
     pages = SemantiCachePDFReader().load_data(pdf)

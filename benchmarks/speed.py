@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-from semanticache_rag.kernels.bench_cpu import read_bandwidth  # the same 512 MiB sum the kernel's bench uses
 
 from benchmarks.followup_latency import real_document
 from benchmarks.report import environment
 from semanticache_rag import Engine, make_compressor
+from semanticache_rag.kernels.bench_cpu import read_bandwidth  # the same 512 MiB sum the kernel's bench uses
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.models import default_gguf
 from semanticache_rag.prompts import Turn

@@ -14,6 +14,7 @@ from importlib import resources
 
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
+
 from semanticache_rag.integrations.langchain import ChatSemantiCache, SemantiCachePDFLoader
 
 QUESTIONS = [

@@ -16,6 +16,7 @@ from llama_index.core import SummaryIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+
 from semanticache_rag.integrations.llama_index import DocumentQueryEngine, SemantiCacheLlamaLLM, SemantiCachePDFReader
 
 QUESTIONS = ["Which RFC specifies koi8-r?", "What is the latest version of the LH fonts?"]

@@ -16,9 +16,9 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.chat_engine.types import AgentChatResponse, BaseChatEngine, StreamingAgentChatResponse
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
-from semanticache_rag.integrations._common import generation_options, iterate_in_thread, rank_pages
 
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.integrations._common import generation_options, iterate_in_thread, rank_pages
 from semanticache_rag.prompts import Turn
 
 

@@ -43,10 +43,10 @@ except ImportError as exc:  # pragma: no cover - exercised by the import-hint te
         'semanticache_rag.integrations.langchain needs langchain-core: pip install "semanticache-rag[langchain]"'
     ) from exc
 from pydantic import ConfigDict, Field, model_validator
-from semanticache_rag.integrations._common import EngineSettings, generation_options, iterate_in_thread
-from semanticache_rag.integrations._langchain_documents import SemantiCachePDFLoader, SemantiCacheRetriever
 
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.integrations._common import EngineSettings, generation_options, iterate_in_thread
+from semanticache_rag.integrations._langchain_documents import SemantiCachePDFLoader, SemantiCacheRetriever
 from semanticache_rag.models import DEFAULT_MODEL
 
 __all__ = ["ChatSemantiCache", "SemantiCacheLLM", "SemantiCachePDFLoader", "SemantiCacheRetriever"]

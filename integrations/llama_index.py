@@ -49,9 +49,8 @@ except ImportError as exc:  # pragma: no cover - exercised by the import-hint te
         'semanticache_rag.integrations.llama_index needs llama-index-core: pip install "semanticache-rag[llama-index]"'
     ) from exc
 
-from semanticache_rag.integrations._common import EngineSettings, generation_options, iterate_in_thread, usage_counts
-
 from semanticache_rag.documents import read_pdf
+from semanticache_rag.integrations._common import EngineSettings, generation_options, iterate_in_thread, usage_counts
 
 __all__ = ["DocumentChatEngine", "DocumentQueryEngine", "SemantiCacheLlamaLLM", "SemantiCachePDFReader"]
 

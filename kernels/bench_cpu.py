@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
 from semanticache_rag.kernels import decode_attention_cpu, decode_attention_ref
 
 STORAGES = ("fp32", "fp16", "bf16", "int8", "int4", "int3")

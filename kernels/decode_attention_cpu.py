@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from semanticache_rag.kernels import decode_attention_ref
 
 logger = logging.getLogger(__name__)

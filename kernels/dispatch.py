@@ -18,9 +18,9 @@ import importlib.util
 import os
 
 import torch
-from semanticache_rag.kernels import gsc_ref, proportional_attention_ref
 
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels import gsc_ref, proportional_attention_ref
 
 BACKENDS = ("auto", "torch", "triton")
 

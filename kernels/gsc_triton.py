@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from semanticache_rag.kernels.dispatch import interpreting
 from semanticache_rag.kernels.gsc_ref import merge_cores, tau_per_batch
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from semanticache_rag.kernels.dispatch import interpreting
 
 _LOG2E = 1.4426950408889634

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from semanticache_rag.kernels.proportional_attention_ref import proportional_attention
 
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+
 from semanticache_rag.kernels import bench_cpu, decode_attention_cpu, decode_attention_ref
 
 REQUIRED = os.environ.get("SEMANTICACHE_REQUIRE_CPU_KERNEL") == "1"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import corpus_text
-from semanticache_rag.kernels.dispatch import proportional_attention
 from transformers import DynamicCache
 
 from semanticache_rag import Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
 from semanticache_rag.compressors import make_compressor
 from semanticache_rag.expansion import ExpansionError, compact_cache, expand_cache, expand_layer
+from semanticache_rag.kernels.dispatch import proportional_attention
 from semanticache_rag.kv import CodedLayerKV, ConversationKV, LayerKV, SharedLayerKV
 
 QUESTION = "Who may copy it?"

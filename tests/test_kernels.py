@@ -15,11 +15,11 @@ import sys
 
 import pytest
 import torch
-from semanticache_rag.kernels import dispatch, gsc_ref
-from semanticache_rag.kernels.proportional_attention_ref import proportional_attention as attention_ref
 
 from semanticache_rag import ConfigError, SemantiCacheCompressor
 from semanticache_rag.compressors import semanticache
+from semanticache_rag.kernels import dispatch, gsc_ref
+from semanticache_rag.kernels.proportional_attention_ref import proportional_attention as attention_ref
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

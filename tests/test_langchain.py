@@ -21,6 +21,10 @@ from langchain_core.callbacks import UsageMetadataCallbackHandler  # noqa: E402
 from langchain_core.documents import Document as LCDocument  # noqa: E402
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from tests_support import needs_default_model  # noqa: E402
+
+from semanticache_rag import ConfigError, ModelLoadError  # noqa: E402
+from semanticache_rag.documents import read_pdf  # noqa: E402
 from semanticache_rag.integrations.langchain import (  # noqa: E402
     ChatSemantiCache,
     SemantiCacheLLM,
@@ -28,10 +32,6 @@ from semanticache_rag.integrations.langchain import (  # noqa: E402
     SemantiCacheRetriever,
     to_role_dicts,
 )
-from tests_support import needs_default_model  # noqa: E402
-
-from semanticache_rag import ConfigError, ModelLoadError  # noqa: E402
-from semanticache_rag.documents import read_pdf  # noqa: E402
 
 DEMO_PDF = resources.files("semanticache_rag") / "data" / "cyrguide.pdf"
 STUFF_PROMPT = ChatPromptTemplate.from_messages(
@@ -374,9 +374,8 @@ def test_retriever_routes_to_sections_and_a_retrieval_chain_reuses_their_caches(
 
 
 def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, monkeypatch):
-    from semanticache_rag.integrations import _common
-
     from semanticache_rag import models
+    from semanticache_rag.integrations import _common
 
     monkeypatch.setattr(_common, "_RUNTIMES", _common.OrderedDict())
     monkeypatch.setattr(_common, "_MODELS", _common.OrderedDict())

@@ -19,6 +19,10 @@ from llama_index.core import SummaryIndex  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.schema import Document as LIDocument  # noqa: E402
+from tests_support import needs_default_model  # noqa: E402
+
+from semanticache_rag import ConfigError  # noqa: E402
+from semanticache_rag.documents import read_pdf  # noqa: E402
 from semanticache_rag.integrations._common import rank_pages  # noqa: E402
 from semanticache_rag.integrations.llama_index import (  # noqa: E402
     DocumentQueryEngine,
@@ -26,10 +30,6 @@ from semanticache_rag.integrations.llama_index import (  # noqa: E402
     SemantiCachePDFReader,
     to_role_dicts,
 )
-from tests_support import needs_default_model  # noqa: E402
-
-from semanticache_rag import ConfigError  # noqa: E402
-from semanticache_rag.documents import read_pdf  # noqa: E402
 
 DEMO_PDF = resources.files("semanticache_rag") / "data" / "cyrguide.pdf"
 

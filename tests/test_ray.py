@@ -11,9 +11,9 @@ ray = pytest.importorskip("ray", reason='needs pip install "semanticache-rag[ray
 httpx = pytest.importorskip("httpx")
 
 from ray import serve  # noqa: E402
-from semanticache_rag.integrations.ray import AFFINITY_HEADER, DocumentServer, ReadDocuments  # noqa: E402
 
 from semanticache_rag import DocumentStore  # noqa: E402
+from semanticache_rag.integrations.ray import AFFINITY_HEADER, DocumentServer, ReadDocuments  # noqa: E402
 
 TEXTS = {
     "hall.txt": "The maintenance code for the north turbine hall is Q7-TANGERINE-318. " * 12,

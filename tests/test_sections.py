@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import corpus_text
-from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 from tests_support import NEEDLE, QUESTION
 
 from semanticache_rag import (
@@ -18,6 +17,7 @@ from semanticache_rag import (
 )
 from semanticache_rag.cache import DocumentCache
 from semanticache_rag.documents import Document, Page, document_from_text
+from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.prompts import Turn
 from semanticache_rag.rotation import rope_frequencies, rotate_keys

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 
 from semanticache_rag import ConfigError, Engine, NoCompression, SemantiCacheCompressor, StreamingLLMCompressor
 from semanticache_rag.chunking import delimiter_mask, name_mask, semantic_chunks, word_ids
 from semanticache_rag.compressors import make_compressor
+from semanticache_rag.kernels.gsc_ref import ChunkLayout, chunk_similarity, greedy_seed_clustering, merge_clusters
 
 
 def test_delimiters_found_inside_fused_tokens(tiny_tokenizer):

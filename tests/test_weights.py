@@ -251,9 +251,8 @@ def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, 
     With torch's attention the arithmetic is the same to fp32 rounding; the C++ kernel sums in
     another order, and with bf16 activations (int4 weights) a last-bit difference can flip one
     bf16 rounding, so there the bound is a few bf16 steps and the next token must agree."""
-    from semanticache_rag.kernels import decode_attention_cpu
-
     from semanticache_rag import make_compressor
+    from semanticache_rag.kernels import decode_attention_cpu
     from semanticache_rag.kv import ConversationKV
 
     if kernel and not decode_attention_cpu.available():
