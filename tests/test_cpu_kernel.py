@@ -207,3 +207,15 @@ def test_the_model_weights_step_attends_through_the_kernel(
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
         assert int(a.argmax()) == int(b.argmax())
+
+
+def test_the_benchmark_refuses_what_the_kernel_cannot_time(monkeypatch, capsys):
+    """A head dim the kernel is not built for is a usage error; a kernel that did not build times nothing."""
+    from semanticache_rag.kernels import bench_cpu
+
+    with pytest.raises(SystemExit) as refused:
+        bench_cpu.main(["--dim", "48", "--tokens", "16", "--layers", "1"])
+    assert refused.value.code == 2 and "head dims" in capsys.readouterr().err
+    monkeypatch.setattr(decode_attention_cpu, "available", lambda: False)
+    assert bench_cpu.main(["--tokens", "16", "--layers", "1"]) == 1
+    assert "did not build" in capsys.readouterr().out
