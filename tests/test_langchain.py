@@ -310,28 +310,7 @@ def test_package_import_pulls_in_no_framework():
     assert out.strip() == "[]"
 
 
-# -- real model -------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@needs_default_model
-def test_stuff_chain_over_the_demo_pdf():
-    create_stuff_documents_chain = stuff_chain_factory()
-
-    chat = ChatSemantiCache(max_new_tokens=32)
-    with resources.as_file(DEMO_PDF) as path:
-        docs = SemantiCachePDFLoader(path).load()
-    chat.register_document(docs)
-    chain = create_stuff_documents_chain(chat, STUFF_PROMPT)
-    first_usage = usage_of(chain, {"context": docs, "input": "Which RFC specifies koi8-r?"})
-    handler = UsageMetadataCallbackHandler()
-    answer = chain.invoke(
-        {"context": docs, "input": "What is the latest version of the LH fonts?"}, config={"callbacks": [handler]}
-    )
-    (second_usage,) = handler.usage_metadata.values()
-    assert "3.20" in answer
-    created = first_usage["input_token_details"]["cache_creation"]
-    assert created > 4000 and second_usage["input_token_details"] == {"cache_read": created, "cache_creation": 0}
+# -- chains (with the real model over the demo PDF: tests/test_examples.py) --------------------
 
 
 def test_sekv_zoom_is_reported_through_the_stuff_chain(tiny_llama, tiny_tokenizer):
