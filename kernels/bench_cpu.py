@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from semanticache_rag.kernels import decode_attention_cpu, decode_attention_ref
+from semanticache_rag.kernels import cpu_ops, decode_attention_ref
 
 STORAGES = ("fp32", "fp16", "bf16", "int8", "int4", "int3")
 APPENDED = 16
@@ -96,7 +96,7 @@ def measure(storage: str, tokens: int, layers: int, kv_heads: int, group: int, d
         for args in every:
             attend(*args)
 
-    kernel = _median_seconds(lambda: step(decode_attention_cpu.decode_attention), repeats)
+    kernel = _median_seconds(lambda: step(cpu_ops.decode_attention), repeats)
     twin = _median_seconds(lambda: step(decode_attention_ref.decode_attention), max(3, repeats // 3))
     total = sum(nbytes(args) for args in every)
     return Row(storage, tokens, total / 1e6, kernel * 1e3, twin * 1e3, total / kernel / 1e9, total / bandwidth * 1e3)
@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not decode_attention_cpu.supports(args.dim, args.group):
-        parser.error(f"the kernel takes head dims {decode_attention_cpu.DIMS} and groups up to 16")
-    if not decode_attention_cpu.available():
+    if not cpu_ops.supports(args.dim, args.group):
+        parser.error(f"the kernel takes head dims {cpu_ops.DIMS} and groups up to 16")
+    if not cpu_ops.available():
         print("the CPU attention kernel did not build here (see the warning); nothing to time")
         return 1
     bandwidth = read_bandwidth()

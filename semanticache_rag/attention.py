@@ -45,16 +45,16 @@ def semanticache_attention(module, query, key, value, attention_mask, scaling=No
 
 def _kernel_step(index: int, state, query, key, value, scaling) -> torch.Tensor | None:
     """One CPU token's attention over layer ``index``'s document as stored, through the C++ kernel
-    (:mod:`semanticache_rag.kernels.decode_attention_cpu`), as the converted-weights step makes it;
+    (:mod:`semanticache_rag.kernels.cpu_ops`), as the converted-weights step makes it;
     ``None`` where that does not apply (a GPU, several tokens, a batch, low-rank sides, no kernel)."""
     from semanticache_rag import scripted_step
-    from semanticache_rag.kernels import decode_attention_cpu
+    from semanticache_rag.kernels import cpu_ops
 
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     if batch != 1 or length != 1 or query.device.type != "cpu" or query.dtype != torch.float32:
         return None
-    if not decode_attention_cpu.supports(dim, heads // kv_heads) or not decode_attention_cpu.available():
+    if not cpu_ops.supports(dim, heads // kv_heads) or not cpu_ops.available():
         return None
     inputs = scripted_step.kept_step_inputs(state)
     if inputs is None or "low_rank" in (inputs[1][index], inputs[3][index]):

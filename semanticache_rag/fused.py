@@ -174,13 +174,13 @@ class FusedLlama:
         return self.model.lm_head(x) if head else x
 
     def kernel(self) -> bool:
-        """Whether decoding steps attend through the C++ kernel (:mod:`~semanticache_rag.kernels.decode_attention_cpu`):
+        """Whether decoding steps attend through the C++ kernel (:mod:`~semanticache_rag.kernels.cpu_ops`):
         it is built (at the first call) and takes this model's heads."""
         if self._kernel is None:
-            from semanticache_rag.kernels import decode_attention_cpu
+            from semanticache_rag.kernels import cpu_ops
 
             group = self.heads // self.kv_heads
-            self._kernel = decode_attention_cpu.supports(self.head_dim, group) and decode_attention_cpu.available()
+            self._kernel = cpu_ops.supports(self.head_dim, group) and cpu_ops.available()
         return self._kernel
 
     def _kernel_inputs(self, kv) -> tuple | None:

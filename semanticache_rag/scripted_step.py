@@ -70,7 +70,7 @@ def kernel_attention(
     appended_values: torch.Tensor,
 ) -> torch.Tensor:
     """One token's attention (H_kv, G, D) over a document layer as stored and the appended (H_kv, T, D),
-    by the operator ``semanticache::decode_attention`` (:mod:`semanticache_rag.kernels.decode_attention_cpu`)."""
+    by the operator ``semanticache::decode_attention`` (:mod:`semanticache_rag.kernels.cpu_ops`)."""
     key, key_scales, key_minimums, key_bits = kernel_arguments(key_kind, keys)
     value, value_scales, value_minimums, value_bits = kernel_arguments(value_kind, values)
     return torch.ops.semanticache.decode_attention(
@@ -84,7 +84,7 @@ class ScriptedLayer(nn.Module):
 
     def __init__(self, layer: Any, heads: int, kv_heads: int, dim: int, kernel: bool):
         super().__init__()
-        self.kernel = kernel  # attend through the C++ kernel (decode_attention_cpu), low-rank layers excepted
+        self.kernel = kernel  # attend through the C++ kernel (kernels/cpu_ops.py), low-rank layers excepted
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv, self.o = attention.qkv_proj, attention.o_proj
         self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj

@@ -29,8 +29,12 @@ attention stay in the model's dtype, only the weight products change:
     row it tripled the KL to the fp32 model's next-token distributions).
 
 The int8/int4 products take bf16 inputs (the fast path of torch's int8/int4 CPU kernels; fp32 inputs are 10-20×
-slower there). Answers change slightly: ``benchmarks/speed.py`` reports the KL divergence of
-each format's next-token distributions to the fp32 model's.
+slower there). Those kernels are made for few rows (decoding); with many rows (reading a
+document, :data:`MANY_ROWS` or more) they take 2.2-2.5x the time of an fp32 product, so there the
+layer's weights are decoded to fp32 once per call (exactly the values the kernel multiplies by) and
+multiplied by the fp32 inputs (measured, 512 rows of the default model's layers, 2 threads: 1.1-1.3x
+an fp32 product's time, instead of 2.2-2.5x). Answers change slightly: ``benchmarks/speed.py``
+reports the KL divergence of each format's next-token distributions to the fp32 model's.
 """
 
 from typing import Any
@@ -40,10 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 
 WEIGHTS = ("model", "fp16", "bf16", "int8", "int4")
 GROUP = 32  # GGUF's Q4_1 block; torch's int4 CPU kernel takes 32, 64, 128 or 256
 COMPUTE_DTYPE = torch.bfloat16
+#: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
+#: (measured, 2 threads: the codes' kernels win up to 32 rows, the decoded weights from 64 on, by 1.8-2x at 512)
+MANY_ROWS = 64
 
 
 def check_weights(weights: str) -> None:
@@ -64,13 +72,21 @@ class _WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.compute_dtype = COMPUTE_DTYPE  # attributes, not module globals: TorchScript (scripted_step) reads them
+        self.many_rows = 2**62  # from how many rows to multiply by the decoded() weights (never, unless set)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def decoded(self) -> torch.Tensor:
+        """The weights (out, in) in fp32, as :meth:`product` multiplies by them (formats that set ``many_rows``)."""
+        raise NotImplementedError
+
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for ``x`` (rows, in), in ``x``'s dtype (the lean decoding step calls it directly)."""
-        out = self.product(x.to(self.compute_dtype)).to(x.dtype)
+        if x.shape[0] >= self.many_rows:
+            out = F.linear(x.float(), self.decoded()).to(x.dtype)
+        else:
+            out = self.product(x.to(self.compute_dtype)).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +144,13 @@ class Int8Linear(_WeightOnlyLinear):
         codes, scales = _int8_codes(linear.weight, linear.in_features)
         self.register_buffer("codes", codes.flatten(1))
         self.register_buffer("scales", scales[:, 0].to(COMPUTE_DTYPE))
+        self.many_rows = MANY_ROWS
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
+
+    def decoded(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
 
 
 def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,9 +184,26 @@ class Int4Linear(_WeightOnlyLinear):
         scales_and_zeros = torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
         self.group = GROUP
+        # outputs per block of torch's packing, as found in it (not found: many rows use the kernel too)
+        self.block = next((b for b in (16, 32, 64, 128) if self._packs_as(codes, b)), 0)
+        if self.block:
+            self.many_rows = MANY_ROWS
+        cpu_ops.available()  # the C++ decoding of many-row products (built once; the torch twin where it cannot be)
+
+    def _packs_as(self, codes: torch.Tensor, block: int) -> bool:
+        if self.out_features % block or self.packed.dtype != torch.uint8 or self.packed.numel() * 2 != codes.numel():
+            return False
+        unpacked = int4_weights_ref.unpack_codes(self.packed, self.out_features, block)
+        return bool(torch.equal(unpacked.t().to(codes.dtype), codes))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+
+    def decoded(self) -> torch.Tensor:
+        unpacked = torch.ops.semanticache.unpack_int4_weight(
+            self.packed, self.scales_and_zeros, self.out_features, self.block
+        )  # (in, out), which the product multiplies by as it is
+        return unpacked.t()
 
 
 class GroupedInt8Linear(_WeightOnlyLinear):

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (kernels/decode_attention_cpu.cpp) against its torch twin.
+"""The CPU kernels (kernels/decode_attention_cpu.cpp, kernels/int4_weights_cpu.cpp) against their torch twins.
 
 The kernel is built on first use (``torch.utils.cpp_extension``, ~15-25 s once per machine). Where it
 cannot be built the tests skip, except under ``SEMANTICACHE_REQUIRE_CPU_KERNEL=1`` (CI has a compiler:
@@ -15,18 +15,18 @@ import sys
 import pytest
 import torch
 
-from semanticache_rag.kernels import bench_cpu, decode_attention_cpu, decode_attention_ref
+from semanticache_rag.kernels import bench_cpu, cpu_ops, decode_attention_ref, int4_weights_ref
 
 REQUIRED = os.environ.get("SEMANTICACHE_REQUIRE_CPU_KERNEL") == "1"
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not decode_attention_cpu.available():
+    if not cpu_ops.available():
         if REQUIRED:
             pytest.fail("the CPU attention kernel did not build (see the warning above)")
         pytest.skip("the CPU attention kernel could not be built here (no C++ compiler?)")
-    return decode_attention_cpu.decode_attention
+    return cpu_ops.decode_attention
 
 
 def inputs(heads, group, dim, length, appended, key_storage, value_storage, group_size=32, seed=0):
@@ -131,13 +131,13 @@ def test_without_the_kernel_the_operator_is_the_torch_twin():
     """SEMANTICACHE_CPU_KERNEL=0: nothing is built, and the operator still answers (the twin)."""
     code = (
         "import torch\n"
-        "from semanticache_rag.kernels import decode_attention_cpu as k\n"
+        "from semanticache_rag.kernels import cpu_ops as k\n"
         "assert not k.available()\n"
         "q, kv = torch.randn(2, 3, 16), torch.randn(2, 5, 16)\n"
         "out = k.decode_attention(q, kv, None, None, 32, kv, None, None, 32, None, kv, kv)\n"
         "probs = (q @ torch.cat([kv, kv], 1).transpose(1, 2)).softmax(-1)\n"
         "torch.testing.assert_close(out, probs @ torch.cat([kv, kv], 1))\n"
-        "import sys; assert not any('semanticache_decode_attention_' in m for m in sys.modules)\n"
+        "import sys; assert not any('semanticache_cpu_ops_' in m for m in sys.modules)\n"
     )
     env = {**os.environ, "SEMANTICACHE_CPU_KERNEL": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
@@ -147,10 +147,10 @@ def test_a_failed_build_warns_once_and_keeps_the_torch_ops(monkeypatch, caplog):
     def no_compiler():
         raise RuntimeError("Error building extension: c++: command not found")
 
-    monkeypatch.setattr(decode_attention_cpu, "_build", no_compiler)
+    monkeypatch.setattr(cpu_ops, "_build", no_compiler)
     monkeypatch.delenv("SEMANTICACHE_CPU_KERNEL", raising=False)
     with caplog.at_level("WARNING"):
-        assert decode_attention_cpu.available.__wrapped__() is False
+        assert cpu_ops.available.__wrapped__() is False
     assert "c++: command not found" in caplog.text and "pip install ninja" in caplog.text
 
 
@@ -189,7 +189,7 @@ def test_the_model_weights_step_attends_through_the_kernel(
     monkeypatch.setattr(scripted_step, "kernel_attention", lambda *a: calls.append(a[2]) or real(*a))
 
     def steps(use_kernel: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(decode_attention_cpu, "available", lambda: use_kernel)
+        monkeypatch.setattr(cpu_ops, "available", lambda: use_kernel)
         kv = ConversationKV(cache.layers)
         ids = tiny_tokenizer("Which code?")["input_ids"]
         logits = [engine.forward(kv, ids, cache.positions)[-1]]
@@ -216,6 +216,41 @@ def test_the_benchmark_refuses_what_the_kernel_cannot_time(monkeypatch, capsys):
     with pytest.raises(SystemExit) as refused:
         bench_cpu.main(["--dim", "48", "--tokens", "16", "--layers", "1"])
     assert refused.value.code == 2 and "head dims" in capsys.readouterr().err
-    monkeypatch.setattr(decode_attention_cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
     assert bench_cpu.main(["--tokens", "16", "--layers", "1"]) == 1
     assert "did not build" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "out_features, in_features, group, block", [(64, 96, 32, 32), (48, 64, 16, 16), (128, 32, 32, 64)]
+)
+def test_int4_weights_decode_as_the_twin_bit_for_bit(kernel, out_features, in_features, group, block):
+    """Any packed bytes, any bf16 scales and zeros: (code - 8) * scale + zero, one rounding, as the twin."""
+    g = torch.Generator().manual_seed(block)
+    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
+    scales_and_zeros = torch.randn(in_features // group, out_features, 2, generator=g).bfloat16()
+    got = cpu_ops.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+    want = int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+    assert got.shape == (in_features, out_features) and torch.equal(got, want)
+
+
+def test_int4_weights_of_torchs_own_packing_are_the_codes_it_was_given(kernel):
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    ones_and_eights = torch.tensor([1.0, 8.0]).bfloat16().expand(4, 64, 2).contiguous()  # weight = code
+    blocks = [b for b in (16, 32, 64) if torch.equal(int4_weights_ref.unpack_codes(packed, 64, b).t().int(), codes)]
+    assert len(blocks) == 1, "torch's int4 packing changed layout: Int4Linear keeps its kernel for many rows"
+    got = cpu_ops.unpack_int4_weight(packed, ones_and_eights, 64, blocks[0])
+    assert torch.equal(got.t(), codes.float())
+
+
+def test_int4_weights_refuse_bad_inputs(kernel):
+    packed, pairs = torch.zeros(64, 48, dtype=torch.uint8), torch.zeros(3, 64, 2).bfloat16()
+    for args, message in [
+        ((packed.int(), pairs, 64, 32), "uint8"),
+        ((packed, pairs, 64, 48), "multiple of an even block"),
+        ((packed, pairs.float(), 64, 32), "bf16"),
+        ((packed, torch.zeros(5, 64, 2).bfloat16(), 64, 32), "multiple of the groups"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.unpack_int4_weight(*args)

@@ -68,6 +68,46 @@ def test_fp16_products_multiply_the_weights_rounded_to_fp16_with_fp32_sums():
     assert layer.packed_nbytes == 2 * 96 * 64
 
 
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_many_rows_multiply_by_the_decoded_weights_in_fp32(kind):
+    """From MANY_ROWS rows on (reading), int8/int4 layers multiply fp32 inputs by the weights their kernel
+    multiplies by, decoded to fp32: the kernel's result up to its bf16 rounding of the inputs, and the
+    weights' own product to fp32 rounding. Below, rows still go through the kernel."""
+    from semanticache_rag import weights
+
+    linear = torch.nn.Linear(96, 64, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_weights(64, 96, seed=2))
+    layer = kind(linear)
+    assert layer.many_rows == weights.MANY_ROWS
+    x = torch.randn(weights.MANY_ROWS + 3, 96)
+    decoded = layer.decoded()
+    assert decoded.shape == (64, 96) and decoded.dtype == torch.float32
+    bf16_inputs = layer.product(x.to(torch.bfloat16)).float() + linear.bias.detach()  # the kernel, all rows
+    got = layer.rows(x)
+    torch.testing.assert_close(got, x @ decoded.T + linear.bias.detach(), rtol=0, atol=1e-5)
+    assert (got - bf16_inputs).abs().max() <= 0.01 * bf16_inputs.abs().max()
+    few = layer.rows(x[: weights.MANY_ROWS - 1])
+    torch.testing.assert_close(few, bf16_inputs[: weights.MANY_ROWS - 1].to(few.dtype), rtol=0, atol=1e-6)
+    if kind is Int4Linear:  # the Q4_1 weights come back exactly, the scales rounded to bf16
+        codes, scale, low = group_codes(linear.weight.detach())
+        scale, zero = scale.bfloat16().float(), (low + 8 * scale).bfloat16().float()
+        want = ((codes.float().view(64, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(64, 96)
+        assert torch.equal(decoded, want)
+
+
+def test_an_int4_packing_of_another_layout_keeps_the_kernel_for_many_rows(monkeypatch):
+    """Torch's int4 packing is undocumented: where unpacking by the known layout does not give the codes
+    back, the layer never decodes, and many rows go through torch's kernel as few do."""
+    from semanticache_rag.kernels import int4_weights_ref
+
+    monkeypatch.setattr(int4_weights_ref, "unpack_codes", lambda packed, out, block: torch.zeros(96, out))
+    layer = Int4Linear(torch.nn.Linear(96, 64, bias=False))
+    assert layer.block == 0 and layer.many_rows > 2**40
+    x = torch.randn(200, 96)
+    torch.testing.assert_close(layer.rows(x), layer.product(x.bfloat16()).float(), rtol=0, atol=0)
+
+
 def test_int4_of_arbitrary_weights_is_within_half_a_step():
     linear = torch.nn.Linear(64, 32, bias=False)
     x = torch.randn(1, 64)
@@ -252,10 +292,10 @@ def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, 
     another order, and with bf16 activations (int4 weights) a last-bit difference can flip one
     bf16 rounding, so there the bound is a few bf16 steps and the next token must agree."""
     from semanticache_rag import make_compressor
-    from semanticache_rag.kernels import decode_attention_cpu
+    from semanticache_rag.kernels import cpu_ops
     from semanticache_rag.kv import ConversationKV
 
-    if kernel and not decode_attention_cpu.available():
+    if kernel and not cpu_ops.available():
         pytest.skip("the CPU attention kernel did not build here")
     model = convert_weights(copy.deepcopy(tiny_llama), "int4")
     lean = model.semanticache_forward

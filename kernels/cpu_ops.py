@@ -1,0 +1,141 @@
+"""The C++ CPU operators, built on first use for this machine's CPU.
+
+``torch.ops.semanticache.decode_attention`` (``decode_attention_cpu.cpp``) has the signature of the
+torch twin :mod:`.decode_attention_ref`, and ``torch.ops.semanticache.unpack_int4_weight``
+(``int4_weights_cpu.cpp``) that of :mod:`.int4_weights_ref`. Their schemas are defined here, in
+Python, with the torch twins as the default implementations, so the operators exist (and
+TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
+with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
+source version: the library is kept under :func:`~semanticache_rag.models.home_dir` ``/kernels``) and
+loads it, which registers the C++ kernels for CPU tensors. Where that fails (no C++ compiler, no
+ninja), the torch twins run and a warning says why, once.
+
+Set ``SEMANTICACHE_CPU_KERNEL=0`` to keep the torch twins.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from semanticache_rag.kernels import decode_attention_ref, int4_weights_ref
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention_cpu.cpp", "int4_weights_cpu.cpp"))
+# -march=native: the library is built on, and for, the machine that runs it (its CPU is in the key).
+# No -ffast-math: the kernel's exp rounds with an add-and-subtract that reassociation would fold away,
+# and padding is masked with -inf; its sums are vectorised by hand.
+FLAGS = (
+    "-O3",
+    "-fopenmp",  # at::parallel_for runs on OpenMP (torch's own runtime); without it, one thread
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+)
+SCHEMAS = {
+    "decode_attention": (
+        "decode_attention(Tensor query, Tensor keys, Tensor? key_scales, Tensor? key_minimums, int key_bits, "
+        "Tensor values, Tensor? value_scales, Tensor? value_minimums, int value_bits, Tensor? bias, "
+        "Tensor new_keys, Tensor new_values) -> Tensor",
+        decode_attention_ref.decode_attention,
+    ),
+    "unpack_int4_weight": (
+        "unpack_int4_weight(Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
+        int4_weights_ref.unpack_int4_weight,
+    ),
+}
+#: head dims the kernel is built for (others keep the torch ops)
+DIMS = (16, 32, 64, 128, 256)
+
+
+@functools.cache
+def define() -> torch.library.Library:
+    """The ``semanticache`` operator library, with each operator's schema and its torch twin as the
+    implementation on every device (the C++ kernels, once loaded, take CPU tensors)."""
+    library = torch.library.Library("semanticache", "DEF")
+    for name, (schema, twin) in SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, twin, "CompositeExplicitAutograd")
+    return library
+
+
+def _cpu_identity() -> str:
+    """What the compiled library depends on: the CPU's model and flags (-march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    except OSError:
+        lines = []
+    return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def _library_name() -> str:
+    sources = [source.read_text() for source in SOURCES]
+    key = "\n".join([*sources, " ".join(FLAGS), torch.__version__, sys.version, _cpu_identity()])
+    return "semanticache_cpu_ops_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _build() -> None:
+    """Compile (or find compiled) and load the C++ kernels; raises whatever the build raises."""
+    from torch.utils import cpp_extension
+
+    from semanticache_rag.models import home_dir
+
+    name = _library_name()
+    directory = home_dir() / "kernels" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{name}.so").exists():
+        logger.warning("building the CPU kernels for this machine (once, ~15-30 s) in %s", directory)
+    # cpp_extension locks the directory while it builds (other processes wait) and rebuilds a stale library
+    cpp_extension.load(
+        name,
+        [str(source) for source in SOURCES],
+        extra_cflags=list(FLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+    )
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the C++ kernels are loaded (built at the first call); ``False`` keeps the torch twins."""
+    define()
+    if os.environ.get("SEMANTICACHE_CPU_KERNEL", "1") == "0":
+        return False
+    try:
+        _build()
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch ops still work
+        reason = f"{exc}".strip().splitlines()[-1] if f"{exc}".strip() else type(exc).__name__
+        logger.warning(
+            "CPU kernels not built (%s); decoding and reading use torch's ops, which are slower. Install a C++ "
+            "compiler and ninja (pip install ninja) to build it.",
+            reason,
+        )
+        return False
+    return True
+
+
+def supports(dim: int, group: int) -> bool:
+    """Whether the attention kernel takes heads of ``dim`` channels, ``group`` query heads per kv head."""
+    return dim in DIMS and group <= 16
+
+
+def decode_attention(*args: object) -> torch.Tensor:
+    """The attention operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
+    define()
+    return torch.ops.semanticache.decode_attention(*args)
+
+
+def unpack_int4_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int):
+    """The int4 decoding operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
+    define()
+    return torch.ops.semanticache.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
