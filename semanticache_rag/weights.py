@@ -17,7 +17,9 @@ attention stay in the model's dtype, only the weight products change:
 ``"bf16"``
     bf16 weights, bf16 products (AVX-512 bf16 where the CPU has it; 2-10x slower than fp32 where not).
 ``"int8"``
-    one int8 per weight and one scale per output row (``torch._weight_int8pack_mm``).
+    one int8 per weight and one scale per output row (``torch._weight_int8pack_mm``). A head tied to
+    the input embedding is int8 too for decoding, while reading's surprisal multiplies by the
+    embedding table (as with fp16 and int4).
 ``"int4"``
     4-bit codes in groups of 32 along the input, each group with a scale and a minimum: the layout
     of GGUF's Q4_1, which is how the default model ships, so the int4 codes are the GGUF's own
@@ -150,7 +152,7 @@ class Int8Linear(_WeightOnlyLinear):
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def decoded(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.float()[:, None]
+        return torch.mul(self.codes, self.scales.float()[:, None])  # int8 x fp32: one fp32 tensor, no copy of the codes
 
 
 def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,10 +287,10 @@ def convert_weights(model: Any, weights: str) -> Any:
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_kind = _HEAD_KINDS[weights]
-    if weights in ("fp16", "int4") and head is not None and _tied_head(model, head) and _fits(weights, head):
+    if weights in ("fp16", "int8", "int4") and head is not None and _tied_head(model, head) and _fits(weights, head):
         # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes);
         # reading, which needs the logits of many positions (surprisal), multiplies by the tied embedding table
-        head_kind = GroupedInt8Linear if weights == "int4" else FP16Linear
+        head_kind = {"fp16": FP16Linear, "int8": Int8Linear, "int4": GroupedInt8Linear}[weights]
         model.semanticache_reading_head = model.get_input_embeddings()
     decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
     if decoder and all(_fits(weights, linear) for linear in decoder):
@@ -298,8 +300,10 @@ def convert_weights(model: Any, weights: str) -> Any:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or not _fits(weights, child):
                 continue
-            kind = head_kind if child is head else _LAYER_KINDS[weights]
-            setattr(parent, name, kind(child))
+            converted = (head_kind if child is head else _LAYER_KINDS[weights])(child)
+            if child is head:  # an untied head reads 64 positions at a time: never decode its vocabulary for them
+                converted.many_rows = 2**62
+            setattr(parent, name, converted)
     _own_parameters(model)
     model.semanticache_weights = weights
     return model

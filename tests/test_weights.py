@@ -164,15 +164,21 @@ def test_int4_leaves_layers_its_kernel_cannot_take_as_they_are(tiny_llama):
     assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
 
 
-def test_int4_tied_head_decodes_q8_0_and_reads_with_the_embedding(tiny_llama, tiny_tokenizer):
+@pytest.mark.parametrize(
+    "weights, decoding_head, untied_head", [("int4", GroupedInt8Linear, BF16Linear), ("int8", Int8Linear, Int8Linear)]
+)
+def test_tied_head_decodes_in_codes_and_reads_with_the_embedding(tiny_llama, weights, decoding_head, untied_head):
+    """int4: GGUF's Q8_0 head; int8: int8 rows. Reading's surprisal multiplies by the embedding table, and
+    a head never decodes its codes for the many rows of reading (that would be its whole vocabulary in fp32)."""
     model = copy.deepcopy(tiny_llama)
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.get_input_embeddings().weight
-    convert_weights(model, "int4")
-    assert isinstance(model.lm_head, GroupedInt8Linear)
+    convert_weights(model, weights)
+    assert isinstance(model.lm_head, decoding_head) and model.lm_head.many_rows > 2**40
     assert model.semanticache_reading_head is model.get_input_embeddings()
-    untied = convert_weights(copy.deepcopy(tiny_llama), "int4")
-    assert isinstance(untied.lm_head, BF16Linear) and not hasattr(untied, "semanticache_reading_head")
+    untied = convert_weights(copy.deepcopy(tiny_llama), weights)
+    assert isinstance(untied.lm_head, untied_head) and not hasattr(untied, "semanticache_reading_head")
+    assert untied.lm_head.many_rows > 2**40 and untied.model.layers[0].mlp.down_proj.many_rows < 1000
 
 
 def test_weight_format_is_part_of_a_stored_cache_key(tiny_llama, tiny_tokenizer):
