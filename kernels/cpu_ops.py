@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
-from semanticache_rag.kernels import decode_attention_ref, int4_weights_ref
+from semanticache_rag.kernels import decode_attention_ref, gsc_ref, int4_weights_ref
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention_cpu.cpp", "int4_weights_cpu.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("decode_attention_cpu.cpp", "int4_weights_cpu.cpp", "gsc_cpu.cpp")
+)
 # -march=native: the library is built on, and for, the machine that runs it (its CPU is in the key).
 # No -ffast-math: the kernel's exp rounds with an add-and-subtract that reassociation would fold away,
 # and padding is masked with -inf; its sums are vectorised by hand.
@@ -51,6 +53,10 @@ SCHEMAS = {
     "unpack_int4_weight": (
         "unpack_int4_weight(Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
         int4_weights_ref.unpack_int4_weight,
+    ),
+    "greedy_seeds": (
+        "greedy_seeds(Tensor similarity, Tensor chunk_lengths, Tensor free, Tensor tau) -> (Tensor, Tensor)",
+        gsc_ref.greedy_seeds,
     ),
 }
 #: head dims the kernel is built for (others keep the torch ops)
@@ -133,6 +139,12 @@ def decode_attention(*args: object) -> torch.Tensor:
     """The attention operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
     define()
     return torch.ops.semanticache.decode_attention(*args)
+
+
+def greedy_seeds(similarity: torch.Tensor, chunk_lengths: torch.Tensor, free: torch.Tensor, tau: torch.Tensor):
+    """The clustering operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
+    define()
+    return torch.ops.semanticache.greedy_seeds(similarity, chunk_lengths, free, tau)
 
 
 def unpack_int4_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int):

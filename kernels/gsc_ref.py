@@ -276,6 +276,43 @@ def greedy_seed_clustering(
     return greedy_clusters(table, layout, tau, protected).seeds()
 
 
+def greedy_seeds(
+    similarity: torch.Tensor, chunk_lengths: torch.Tensor, free: torch.Tensor, tau: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSC of a chunked similarity grid at K thresholds per head, by slot: the torch twin of ``gsc_cpu.cpp``.
+
+    Parameters
+    ----------
+    similarity : Tensor (H, C, W, W) float32
+        From :func:`chunk_similarity` (chunks in token order).
+    chunk_lengths : Tensor (C,) long
+        Tokens of each chunk.
+    free : Tensor (C, W) bool
+        Tokens that may merge (not protected; inside their chunk).
+    tau : Tensor (K, H) float32
+        Thresholds per head.
+
+    Returns
+    -------
+    slots : Tensor (K, H, C, W) int16
+        Slot of each token's seed in its chunk; a token that is not free (or past its chunk) is its own.
+    counts : Tensor (K, H) long
+        Clusters of the free tokens.
+    """
+    heads, chunks, width = similarity.shape[:3]
+    chunk_ids = torch.repeat_interleave(torch.arange(chunks, device=similarity.device), chunk_lengths)
+    layout = ChunkLayout.from_chunk_ids(chunk_ids)
+    layout = ChunkLayout(layout.token_chunk, layout.token_slot, layout.chunk_start, width)
+    protected = ~free[layout.token_chunk, layout.token_slot]
+    clusters = greedy_clusters(JoinTable.build([similarity], heads, layout), layout, tau, protected)
+    own = torch.arange(width, dtype=torch.int16, device=similarity.device)
+    slots = own.expand(tau.numel(), chunks, width).clone()
+    start = layout.chunk_start[layout.token_chunk]
+    slots[:, layout.token_chunk, layout.token_slot] = (clusters.seeds() - start).to(torch.int16)
+    counts = clusters.counts - int(protected.sum())
+    return slots.view(*tau.shape, chunks, width), counts.view(tau.shape)
+
+
 def count_clusters(seeds: torch.Tensor) -> torch.Tensor:
     """Clusters per head: tokens that are their own seed. seeds (H, N) -> (H,)."""
     return (seeds == torch.arange(seeds.shape[1], device=seeds.device)).sum(1)

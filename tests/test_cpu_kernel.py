@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/decode_attention_cpu.cpp, kernels/int4_weights_cpu.cpp) against their torch twins.
+"""The CPU kernels (kernels/*_cpu.cpp: attention, int4 weights, clustering) against their torch twins.
 
 The kernel is built on first use (``torch.utils.cpp_extension``, ~15-25 s once per machine). Where it
 cannot be built the tests skip, except under ``SEMANTICACHE_REQUIRE_CPU_KERNEL=1`` (CI has a compiler:
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from semanticache_rag.kernels import bench_cpu, cpu_ops, decode_attention_ref, int4_weights_ref
+from semanticache_rag.kernels import bench_cpu, cpu_ops, decode_attention_ref, gsc_ref, int4_weights_ref
 
 REQUIRED = os.environ.get("SEMANTICACHE_REQUIRE_CPU_KERNEL") == "1"
 
@@ -254,3 +254,41 @@ def test_int4_weights_refuse_bad_inputs(kernel):
     ]:
         with pytest.raises(RuntimeError, match=message):
             cpu_ops.unpack_int4_weight(*args)
+
+
+def clustering_inputs(heads, chunks, width, thresholds, seed):
+    """A chunked similarity grid of random keys (ragged chunks, one of full width), ~10% protected tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (chunks,), generator=g)
+    lengths[0] = width
+    layout = gsc_ref.ChunkLayout.from_chunk_ids(torch.repeat_interleave(torch.arange(chunks), lengths))
+    similarity = gsc_ref.chunk_similarity(torch.randn(heads, int(lengths.sum()), 8, generator=g), layout)
+    free = (torch.rand(chunks, width, generator=g) > 0.1) & (torch.arange(width)[None] < lengths[:, None])
+    return similarity, lengths, free, torch.rand(thresholds, heads, generator=g) * 1.2 - 0.4
+
+
+@pytest.mark.parametrize(
+    "heads, chunks, width, thresholds", [(3, 20, 7, 1), (4, 30, 31, 4), (2, 9, 51, 3), (1, 3, 90, 2)]
+)
+def test_clustering_finds_the_twins_clusters(kernel, heads, chunks, width, thresholds):
+    """Seed slots and cluster counts equal the torch loop's, for one-word (<= 31), two-word and unmasked
+    (> 64 tokens) chunks, at thresholds from -0.4 (most merge) to 0.8."""
+    args = clustering_inputs(heads, chunks, width, thresholds, seed=width)
+    slots, counts = cpu_ops.greedy_seeds(*args)
+    want_slots, want_counts = gsc_ref.greedy_seeds(*args)
+    assert slots.dtype == torch.int16 and slots.shape == (thresholds, heads, chunks, width)
+    assert torch.equal(slots, want_slots) and torch.equal(counts, want_counts)
+    assert int(counts.min()) < int(args[2].sum())  # something merged
+
+
+def test_clustering_refuses_bad_inputs(kernel):
+    similarity, lengths, free, tau = clustering_inputs(2, 5, 8, 2, seed=1)
+    for args, message in [
+        ((similarity.double(), lengths, free, tau), "float32"),
+        ((similarity, lengths.int(), free, tau), "chunk_lengths"),
+        ((similarity, lengths, free[:, :4], tau), "free must be"),
+        ((similarity, lengths, free, tau[:, :1]), "tau must be"),
+        ((similarity, lengths + 8, free, tau), "has length"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.greedy_seeds(*args)

@@ -290,7 +290,7 @@ def test_layers_clustered_together_equal_layers_clustered_alone(tiny_model, tiny
     heads = together.layers[0].keys.shape[1]
     assert heads >= 2
     cost = 1_000_000
-    monkeypatch.setattr(semanticache, "_grid_bytes", lambda keys, layout: (cost, 0))
+    monkeypatch.setattr(semanticache, "_grid_bytes", lambda keys, layout, masks=True: (cost, 0))
     calls = []
     original = semanticache.SemantiCacheCompressor._compress_layers
 
@@ -307,3 +307,29 @@ def test_layers_clustered_together_equal_layers_clustered_alone(tiny_model, tiny
         assert calls[0] == shape, calls
         for grouped, single in zip(together.layers, alone.layers, strict=True):
             assert torch.equal(grouped.sizes, single.sizes) and torch.equal(grouped.keys, single.keys)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+def test_the_cpu_clustering_kernel_finds_the_torch_loops_clusters(
+    tiny_model, tiny_tokenizer, document_text, ratio, monkeypatch
+):
+    """The C++ clustering (kernels/gsc_cpu.cpp) and the bit-packed torch loop give the same cores, through
+    the whole tau search (at 0.9 the chunks are coarsened past 31 tokens: int64 words in the loop). The
+    same layers are grouped for both (the search's rounds depend on the heads searched together)."""
+    from semanticache_rag.compressors import semanticache
+    from semanticache_rag.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setattr(semanticache, "_grid_bytes", lambda keys, layout, masks=True: (1, 0))
+    engine = Engine(tiny_model, tiny_tokenizer, compressor=SemantiCacheCompressor(ratio), prefill_chunk=128)
+    prefill = engine.prefill(document_text, progress=False, surprisal=True)
+    compressor = SemantiCacheCompressor(ratio)
+    assert compressor._on_cpu_kernel(prefill.keys_values[0][0])
+    kernel = engine.compress(prefill, compressor)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(semanticache.SemantiCacheCompressor, "_on_cpu_kernel", lambda self, keys: False)
+        loop = engine.compress(prefill, compressor)
+    assert kernel.entries_removed > 0.3
+    for a, b in zip(kernel.layers, loop.layers, strict=True):
+        assert torch.equal(a.sizes, b.sizes) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

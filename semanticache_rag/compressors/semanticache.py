@@ -6,8 +6,10 @@ its size ``s``; decoding adds ``log s`` to the core's attention logit (proportio
 :mod:`semanticache_rag.kernels.proportional_attention_ref`). ``tau`` is found per layer and head
 by a search (:meth:`SemantiCacheCompressor._search_tau`) so that every head keeps its budget to
 within 0.1% (or one entry), which meets the budget with next to no padding. Layers that share a
-plan are clustered together, their heads side by side, on a bit-packed greedy loop
-(:func:`~semanticache_rag.kernels.gsc_ref.greedy_clusters`).
+plan are clustered together, their heads side by side: on CPUs by a C++ kernel over the similarity
+grid (``kernels/gsc_cpu.cpp``, built on first use: 2K tokens compress in 0.16-0.21 s instead of
+0.38-0.58 s), else on a bit-packed greedy loop in torch
+(:func:`~semanticache_rag.kernels.gsc_ref.greedy_clusters`), which finds the same clusters.
 
 Protected tokens stay whole: the chat-template tokens around the document, the first
 ``sink_tokens`` (attention sinks), the last ``window_tokens``, and *anchors*: tokens the model
@@ -33,6 +35,7 @@ from semanticache_rag.chunking import delimiter_mask, semantic_chunks
 from semanticache_rag.compressors.anchors import UNITS, anchor_priority, choose_anchors, context_words
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels import cpu_ops
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
 from semanticache_rag.kernels.gsc_ref import (
     CHUNK_BLOCK,
@@ -57,17 +60,18 @@ _FLOOR_BYTES = 8 * 2**20
 _SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess that the search also tries
 
 
-def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout) -> tuple[int, int]:
+def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout, masks: bool = True) -> tuple[int, int]:
     """Bytes one layer takes while clustered on the torch grid: (its table, the build's temporaries).
 
-    The table is the (H, C, W, W) similarity, sorted (float32), beside the (H, C, W, W + 1) packed masks
-    of its rows (int32 or int64 words, :class:`~.gsc_ref.JoinTable`). The table is built one head at a
+    The table is the (H, C, W, W) similarity (float32); for the torch loop it is sorted, beside the
+    (H, C, W, W + 1) packed masks of its rows (int32 or int64 words, :class:`~.gsc_ref.JoinTable`), while
+    the C++ kernel (``masks=False``) clusters the similarity as it is. The table is built one head at a
     time, a block of chunks at a time, so the temporaries (a head's unit keys and similarity, a block's
     grid and sort) do not add up over the heads and layers of a group."""
     heads, dim, width = keys.shape[1], keys.shape[3], layout.width
     cells = layout.num_chunks * width  # at least the tokens
     word = torch.iinfo(word_dtype(width)).bits // 8
-    table = heads * cells * (4 * width + word * (width + 1))
+    table = heads * cells * (4 * width + (word * (width + 1) if masks else 0))
     head = 8 * keys.shape[2] * dim + 4 * cells * width  # its keys as float32 and unit vectors, its similarity
     return table, head + min(CHUNK_BLOCK, layout.num_chunks) * width * (4 * dim + 16 * width)
 
@@ -287,7 +291,8 @@ class SemantiCacheCompressor(Compressor):
         while start < len(keys_values):
             end, heads = start + 1, keys_values[start][0].shape[1]
             if self._on_grid(keys_values[start][0]):
-                table, build = _grid_bytes(keys_values[start][0], plans[start].layout)
+                keys = keys_values[start][0]
+                table, build = _grid_bytes(keys, plans[start].layout, masks=not self._on_cpu_kernel(keys))
                 room = _FLOOR_BYTES + freed - build  # for tables, on top of the full KV of the layers left
                 if table > room:  # not even one layer's: a few heads at a time
                     heads = max(1, room * heads // table)
@@ -366,7 +371,10 @@ class SemantiCacheCompressor(Compressor):
                 for layer_keys, layer_values in keys_values
                 for h in range(layer_keys.shape[1])
             )
-            table = JoinTable.build(grids, keys.shape[1] * len(keys_values), layout)
+            heads = keys.shape[1] * len(keys_values)
+            if self._on_cpu_kernel(keys):
+                return self._kernel_clustering(grids, heads, layout, protected)
+            table = JoinTable.build(grids, heads, layout)
             rows = torch.arange(table.similarity.shape[0])
 
             def on_grid(tau):
@@ -385,9 +393,41 @@ class SemantiCacheCompressor(Compressor):
 
         return on_triton
 
+    @staticmethod
+    def _kernel_clustering(grids, heads: int, layout: ChunkLayout, protected: torch.Tensor):
+        """:meth:`_clustering` by the C++ clustering kernel (``kernels/gsc_cpu.cpp``): the similarity grids
+        side by side, as they are (no sorted table), clustered at each round's thresholds in one call."""
+        similarity = torch.empty(heads, layout.num_chunks, layout.width, layout.width)
+        at = 0
+        for grid in grids:  # one grid at a time, copied in as it comes
+            similarity[at : at + grid.shape[0]] = grid
+            at += grid.shape[0]
+            del grid
+        lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
+        free = torch.zeros(layout.num_chunks, layout.width, dtype=torch.bool)
+        free[layout.token_chunk, layout.token_slot] = ~protected
+        start = layout.chunk_start[layout.token_chunk]
+        kept = int(protected.sum())
+        rows = torch.arange(heads)
+
+        def on_kernel(tau):
+            slots, counts = cpu_ops.greedy_seeds(similarity, lengths, free, tau.float().contiguous())
+
+            def pick(index: torch.Tensor) -> torch.Tensor:
+                chosen = slots[index, rows]  # (H, C, W)
+                return start + chosen[:, layout.token_chunk, layout.token_slot].long()
+
+            return counts + kept, pick
+
+        return on_kernel
+
     def _merges(self, plan: _Plan, num_tokens: int) -> bool:
         """Whether ``plan`` clusters anything: a budget below the tokens, or a fixed tau."""
         return self.tau is not None or plan.target < num_tokens
+
+    def _on_cpu_kernel(self, keys: torch.Tensor) -> bool:
+        """Whether the grid is clustered by the C++ kernel (CPU tensors, where it was built), else by the table."""
+        return keys.device.type == "cpu" and cpu_ops.available()
 
     def _on_grid(self, keys: torch.Tensor) -> bool:
         """Whether these keys are clustered on the torch grid (else by the Triton kernel, one layer at a time)."""
