@@ -54,6 +54,10 @@ SCHEMAS = {
         "unpack_int4_weight(Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
         int4_weights_ref.unpack_int4_weight,
     ),
+    "int4_row_product": (
+        "int4_row_product(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
+        int4_weights_ref.int4_row_product,
+    ),
     "greedy_seeds": (
         "greedy_seeds(Tensor similarity, Tensor chunk_lengths, Tensor free, Tensor tau) -> (Tensor, Tensor)",
         gsc_ref.greedy_seeds,
@@ -145,6 +149,14 @@ def greedy_seeds(similarity: torch.Tensor, chunk_lengths: torch.Tensor, free: to
     """The clustering operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
     define()
     return torch.ops.semanticache.greedy_seeds(similarity, chunk_lengths, free, tau)
+
+
+def int4_row_product(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int
+):
+    """The one-row int4 product (C++ on CPU tensors once :func:`available`, else the torch twin)."""
+    define()
+    return torch.ops.semanticache.int4_row_product(x, packed, scales_and_zeros, out_features, block)
 
 
 def unpack_int4_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int):

@@ -31,3 +31,10 @@ def unpack_int4_weight(
     scales, zeros = scales_and_zeros.float().unbind(-1)  # (in / group, out) each
     grouped = codes.view(groups, in_features // groups, out_features).float() - 8
     return torch.addcmul(zeros[:, None], grouped, scales[:, None]).view(in_features, out_features)
+
+
+def int4_row_product(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int
+) -> torch.Tensor:
+    """``x`` (in,) fp32 times those weights: (out,) fp32 (decoding's one-row product)."""
+    return x @ unpack_int4_weight(packed, scales_and_zeros, out_features, block)

@@ -96,6 +96,29 @@ def test_many_rows_multiply_by_the_decoded_weights_in_fp32(kind):
         assert torch.equal(decoded, want)
 
 
+@pytest.mark.parametrize("kind", [Int4Linear, GroupedInt8Linear])
+def test_one_row_is_multiplied_in_fp32_by_the_cpu_kernel(kind):
+    """Decoding's one row goes through kernels/int4_weights_cpu.cpp, in fp32: the decoded weights' product
+    to fp32 rounding, and torch's int4 kernel (bf16 row) up to its rounding."""
+    from semanticache_rag.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    linear = torch.nn.Linear(96, 64, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_weights(64, 96, seed=3))
+    layer = kind(linear)
+    assert layer.one_row
+    x = torch.randn(1, 96)
+    got = layer.rows(x)
+    want = layer.product(x.double().float().to(torch.bfloat16)).float() + linear.bias.detach()
+    if kind is Int4Linear:
+        torch.testing.assert_close(got, x @ layer.decoded().T + linear.bias.detach(), rtol=0, atol=1e-5)
+    else:  # Q8_0: the codes times their scales, as found (the weights to within a scale's rounding)
+        torch.testing.assert_close(got, linear(x), rtol=0, atol=0.02 * float(want.abs().max()))
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
+
+
 def test_an_int4_packing_of_another_layout_keeps_the_kernel_for_many_rows(monkeypatch):
     """Torch's int4 packing is undocumented: where unpacking by the known layout does not give the codes
     back, the layer never decodes, and many rows go through torch's kernel as few do."""
@@ -103,7 +126,7 @@ def test_an_int4_packing_of_another_layout_keeps_the_kernel_for_many_rows(monkey
 
     monkeypatch.setattr(int4_weights_ref, "unpack_codes", lambda packed, out, block: torch.zeros(96, out))
     layer = Int4Linear(torch.nn.Linear(96, 64, bias=False))
-    assert layer.block == 0 and layer.many_rows > 2**40
+    assert layer.block == 0 and layer.many_rows > 2**40 and not layer.one_row
     x = torch.randn(200, 96)
     torch.testing.assert_close(layer.rows(x), layer.product(x.bfloat16()).float(), rtol=0, atol=0)
 
