@@ -30,13 +30,20 @@ attention stay in the model's dtype, only the weight products change:
     reading's surprisal multiplies by the embedding table; an untied head stays bf16 (as int8 per
     row it tripled the KL to the fp32 model's next-token distributions).
 
-The int8/int4 products take bf16 inputs (the fast path of torch's int8/int4 CPU kernels; fp32 inputs are 10-20×
-slower there). Those kernels are made for few rows (decoding); with many rows (reading a
-document, :data:`MANY_ROWS` or more) they take 2.2-2.5x the time of an fp32 product, so there the
-layer's weights are decoded to fp32 once per call (exactly the values the kernel multiplies by) and
-multiplied by the fp32 inputs (measured, 512 rows of the default model's layers, 2 threads: 1.1-1.3x
-an fp32 product's time, instead of 2.2-2.5x). Answers change slightly: ``benchmarks/speed.py``
-reports the KL divergence of each format's next-token distributions to the fp32 model's.
+Which product runs depends on the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``, built on
+first use, where stated):
+
+- one row (a decoding step), int4 layers and the Q8_0 head: the fp32 row times the codes in fp32, in
+  C++ (2x torch's int4 kernel on an AVX2 CPU, which also rounds the row to bf16);
+- up to :data:`MANY_ROWS` rows (a question's prompt), and int8 layers for one row: torch's
+  int8/int4 CPU kernels on bf16 inputs (their fast path; fp32 inputs are 10-20× slower there);
+- :data:`MANY_ROWS` rows or more (reading a document): those kernels take 2.2-2.5x the time of an fp32
+  product there, so the layer's weights are decoded to fp32 once per call (exactly the values the
+  kernel multiplies by; int4 in C++) and multiply the fp32 inputs (512 rows of the default model's
+  layers, 2 threads: 1.1-1.3x an fp32 product's time).
+
+Answers change slightly: ``benchmarks/speed.py`` reports the KL divergence of each format's
+next-token distributions to the fp32 model's.
 """
 
 from typing import Any
