@@ -58,6 +58,10 @@ SCHEMAS = {
         "int4_row_product(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
         int4_weights_ref.int4_row_product,
     ),
+    "int8_row_product": (
+        "int8_row_product(Tensor x, Tensor codes, Tensor scales) -> Tensor",
+        int4_weights_ref.int8_row_product,
+    ),
     "greedy_seeds": (
         "greedy_seeds(Tensor similarity, Tensor chunk_lengths, Tensor free, Tensor tau) -> (Tensor, Tensor)",
         gsc_ref.greedy_seeds,
@@ -157,6 +161,12 @@ def int4_row_product(
     """The one-row int4 product (C++ on CPU tensors once :func:`available`, else the torch twin)."""
     define()
     return torch.ops.semanticache.int4_row_product(x, packed, scales_and_zeros, out_features, block)
+
+
+def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):
+    """The one-row int8 product (C++ on CPU tensors once :func:`available`, else the torch twin)."""
+    define()
+    return torch.ops.semanticache.int8_row_product(x, codes, scales)
 
 
 def unpack_int4_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int):

@@ -8,6 +8,7 @@
 //   made for few rows, so there the weights are decoded once per call and multiplied by fp32 inputs
 //   instead (semanticache_rag/weights.py, Int4Linear.rows). Decoding writes each weight once, four bytes,
 //   a group of rows per task on torch's OpenMP pool; torch ops take four passes and their temporaries.
+// - int8_row_product: the same for int8 codes with one scale per output row (a dot product per row).
 // - int4_row_product: decoding multiplies one row by each layer. Per block of 32 outputs and group of
 //   inputs, sum x[k] * code over the group's inputs, then add scale * that + (zero - 8 scale) * sum x[k]:
 //   one FMA per weight in fp32, the codes widened to floats in registers (torch's kernel rounds the row
@@ -196,9 +197,62 @@ at::Tensor int4_row_product(const at::Tensor& x, const at::Tensor& packed, const
   return out;
 }
 
+// sum over k < count of x[k] * codes[k] for one row of int8 codes
+inline float dot_int8(const int8_t* codes, const float* x, int64_t count) {
+  int64_t k = 0;
+  float total = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  // byte j of a 16-byte load into the top byte of 32-bit lane j (in-lane picks), then an arithmetic
+  // shift sign-extends it
+  const __m256i first = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4,
+                                         -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7);
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8 << 24));
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  auto add = [&](int64_t at, __m256& low, __m256& high) {  // 16 codes into two sums
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at)));
+    const __m256 c0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(raw, first), 24));
+    const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(raw, second), 24));
+    low = _mm256_fmadd_ps(c0, _mm256_loadu_ps(x + at), low);
+    high = _mm256_fmadd_ps(c1, _mm256_loadu_ps(x + at + 8), high);
+  };
+  for (; k + 32 <= count; k += 32) {  // four independent sums: consecutive FMAs do not wait on each other
+    add(k, a[0], a[1]);
+    add(k + 16, a[2], a[3]);
+  }
+  if (k + 16 <= count) add(k, a[0], a[1]), k += 16;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+  for (float lane : lanes) total += lane;
+#endif
+  for (; k < count; ++k) total += x[k] * static_cast<float>(codes[k]);
+  return total;
+}
+
+// x (in,) float32 times int8 weights with one scale per output row: codes (out, in) int8, scales (out,)
+// bf16 -> (out,) float32, scale * sum x[k] * code.
+at::Tensor int8_row_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+              "codes must be a contiguous (out, in) int8 CPU tensor, got ", codes.sizes());
+  const int64_t out_features = codes.size(0), in_features = codes.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == in_features,
+              "x must be a contiguous float32 row of ", in_features, " inputs, got ", x.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == out_features,
+              "scales must be ", out_features, " contiguous bf16 values, got ", scales.sizes());
+  at::Tensor out = at::empty({out_features}, x.options());
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const float* row = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) o[n] = bf16_to_float(s[n]) * dot_int8(c + n * in_features, row, in_features);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
   m.impl("unpack_int4_weight", &unpack_int4_weight);
   m.impl("int4_row_product", &int4_row_product);
+  m.impl("int8_row_product", &int8_row_product);
 }

@@ -4,8 +4,9 @@
 ``block`` outputs: each block is ``in`` rows of ``block / 2`` bytes, output ``j`` of the block in
 the low half-byte and output ``j + block / 2`` in the high one. That layout is torch's own and not
 documented, so :class:`~semanticache_rag.weights.Int4Linear` checks it against the codes it packed
-(:func:`unpack_codes`) before it decodes by it. :mod:`.cpu_ops` builds the C++ twin
-(``int4_weights_cpu.cpp``), one pass instead of four.
+(:func:`unpack_codes`) before it decodes by it. :mod:`.cpu_ops` builds the C++ twins
+(``int4_weights_cpu.cpp``): the decoding in one pass instead of four, and the one-row products of
+int4 and of int8 codes (:class:`~semanticache_rag.weights.Int8Linear`'s, one scale per output) in fp32.
 """
 
 from __future__ import annotations
@@ -38,3 +39,8 @@ def int4_row_product(
 ) -> torch.Tensor:
     """``x`` (in,) fp32 times those weights: (out,) fp32 (decoding's one-row product)."""
     return x @ unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+
+
+def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` (in,) fp32 times int8 ``codes`` (out, in) with one bf16 scale per output: (out,) fp32."""
+    return (codes.float() @ x) * scales.float()

@@ -33,10 +33,10 @@ attention stay in the model's dtype, only the weight products change:
 Which product runs depends on the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``, built on
 first use, where stated):
 
-- one row (a decoding step), int4 layers and the Q8_0 head: the fp32 row times the codes in fp32, in
-  C++ (2x torch's int4 kernel on an AVX2 CPU, which also rounds the row to bf16);
-- up to :data:`MANY_ROWS` rows (a question's prompt), and int8 layers for one row: torch's
-  int8/int4 CPU kernels on bf16 inputs (their fast path; fp32 inputs are 10-20× slower there);
+- one row (a decoding step), int8/int4 layers and heads: the fp32 row times the codes in fp32, in
+  C++ (int4: 2x torch's int4 kernel on an AVX2 CPU, which also rounds the row to bf16);
+- up to :data:`MANY_ROWS` rows (a question's prompt): torch's int8/int4 CPU kernels on bf16 inputs
+  (their fast path; fp32 inputs are 10-20× slower there);
 - :data:`MANY_ROWS` rows or more (reading a document): those kernels take 2.2-2.5x the time of an fp32
   product there, so the layer's weights are decoded to fp32 once per call (exactly the values the
   kernel multiplies by; int4 in C++) and multiply the fp32 inputs (512 rows of the default model's
@@ -161,12 +161,16 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("codes", codes.flatten(1))
         self.register_buffer("scales", scales[:, 0].to(COMPUTE_DTYPE))
         self.many_rows = MANY_ROWS
+        self.one_row = cpu_ops.available()  # one row in fp32 by kernels/int4_weights_cpu.cpp (else torch's kernel)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def decoded(self) -> torch.Tensor:
         return torch.mul(self.codes, self.scales.float()[:, None])  # int8 x fp32: one fp32 tensor, no copy of the codes
+
+    def row_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.semanticache.int8_row_product(x, self.codes, self.scales)
 
 
 def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -259,6 +259,22 @@ def test_int4_row_product_is_the_decoded_weights_product(kernel, out_features, i
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("out_features, in_features", [(64, 96), (17, 33), (48, 1536)])
+def test_int8_row_product_is_the_codes_product(kernel, out_features, in_features):
+    """One fp32 row times int8 codes and their row scales (ragged lengths: the vector loop's tails)."""
+    g = torch.Generator().manual_seed(in_features)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=g).bfloat16()
+    x = torch.randn(in_features, generator=g)
+    got = cpu_ops.int8_row_product(x, codes, scales)
+    want = (codes.double() @ x.double()) * scales.double()
+    assert got.shape == (out_features,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    for args, message in [((x, codes.int(), scales), "int8"), ((x, codes, scales[:-1]), "scales must be")]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.int8_row_product(*args)
+
+
 def test_int4_row_product_refuses_bad_inputs(kernel):
     packed, pairs, x = torch.zeros(64, 48, dtype=torch.uint8), torch.zeros(3, 64, 2).bfloat16(), torch.zeros(96)
     for args, message in [

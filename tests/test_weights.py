@@ -96,7 +96,7 @@ def test_many_rows_multiply_by_the_decoded_weights_in_fp32(kind):
         assert torch.equal(decoded, want)
 
 
-@pytest.mark.parametrize("kind", [Int4Linear, GroupedInt8Linear])
+@pytest.mark.parametrize("kind", [Int4Linear, GroupedInt8Linear, Int8Linear])
 def test_one_row_is_multiplied_in_fp32_by_the_cpu_kernel(kind):
     """Decoding's one row goes through kernels/int4_weights_cpu.cpp, in fp32: the decoded weights' product
     to fp32 rounding, and torch's int4 kernel (bf16 row) up to its rounding."""
@@ -112,7 +112,7 @@ def test_one_row_is_multiplied_in_fp32_by_the_cpu_kernel(kind):
     x = torch.randn(1, 96)
     got = layer.rows(x)
     want = layer.product(x.double().float().to(torch.bfloat16)).float() + linear.bias.detach()
-    if kind is Int4Linear:
+    if kind is not GroupedInt8Linear:
         torch.testing.assert_close(got, x @ layer.decoded().T + linear.bias.detach(), rtol=0, atol=1e-5)
     else:  # Q8_0: the codes times their scales, as found (the weights to within a scale's rounding)
         torch.testing.assert_close(got, linear(x), rtol=0, atol=0.02 * float(want.abs().max()))
