@@ -1,8 +1,9 @@
 """The C++ CPU operators, built on first use for this machine's CPU.
 
-``torch.ops.semanticache.decode_attention`` (``decode_attention_cpu.cpp``) has the signature of the
-torch twin :mod:`.decode_attention_ref`, and ``torch.ops.semanticache.unpack_int4_weight``
-(``int4_weights_cpu.cpp``) that of :mod:`.int4_weights_ref`. Their schemas are defined here, in
+Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`) has the signature of
+its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
+``unpack_int4_weight``, ``int4_row_product`` and ``int8_row_product`` (``int4_weights_cpu.cpp``) those of
+:mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`. Their schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
 with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
@@ -143,33 +144,13 @@ def supports(dim: int, group: int) -> bool:
     return dim in DIMS and group <= 16
 
 
+def op(name: str):
+    """The operator ``torch.ops.semanticache.<name>`` (one of :data:`SCHEMAS`): its C++ kernel on CPU
+    tensors once :func:`available`, else its torch twin."""
+    define()
+    return getattr(torch.ops.semanticache, name)
+
+
 def decode_attention(*args: object) -> torch.Tensor:
-    """The attention operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
-    define()
-    return torch.ops.semanticache.decode_attention(*args)
-
-
-def greedy_seeds(similarity: torch.Tensor, chunk_lengths: torch.Tensor, free: torch.Tensor, tau: torch.Tensor):
-    """The clustering operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
-    define()
-    return torch.ops.semanticache.greedy_seeds(similarity, chunk_lengths, free, tau)
-
-
-def int4_row_product(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int
-):
-    """The one-row int4 product (C++ on CPU tensors once :func:`available`, else the torch twin)."""
-    define()
-    return torch.ops.semanticache.int4_row_product(x, packed, scales_and_zeros, out_features, block)
-
-
-def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):
-    """The one-row int8 product (C++ on CPU tensors once :func:`available`, else the torch twin)."""
-    define()
-    return torch.ops.semanticache.int8_row_product(x, codes, scales)
-
-
-def unpack_int4_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int):
-    """The int4 decoding operator (C++ on CPU tensors once :func:`available`, else the torch twin)."""
-    define()
-    return torch.ops.semanticache.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+    """The attention operator (:func:`op`), with the torch twin's signature."""
+    return op("decode_attention")(*args)

@@ -82,6 +82,32 @@ def chunk_similarity(keys: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return similarity
 
 
+def side_by_side(
+    grids: Iterable[torch.Tensor], heads: int, layout: ChunkLayout, order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`chunk_similarity` grids (H_i, C, W, W) of ``heads`` heads in all as one (H, C, W, W) float32
+    tensor, chunks in ``order`` where given. ``grids`` may be a generator: each grid is copied in as it
+    comes, so this takes the result's memory and one grid at a time."""
+    similarity: torch.Tensor | None = None
+    at = 0
+    for grid in grids:
+        if similarity is None:
+            similarity = torch.empty(heads, layout.num_chunks, layout.width, layout.width, device=grid.device)
+        similarity[at : at + grid.shape[0]] = grid if order is None else grid[:, order.to(grid.device)]
+        at += grid.shape[0]
+        del grid  # before the next grid is computed
+    if similarity is None or at != heads:
+        raise ValueError(f"grids for {heads} heads expected, got {at}")
+    return similarity
+
+
+def free_slots(layout: ChunkLayout, protected: torch.Tensor) -> torch.Tensor:
+    """(C, W) bool: the grid slots of tokens that may merge (not ``protected`` (N,); padding is not free)."""
+    free = torch.zeros(layout.num_chunks, layout.width, dtype=torch.bool, device=protected.device)
+    free[layout.token_chunk, layout.token_slot] = ~protected
+    return free
+
+
 _WORD = 64  # tokens per int64 word of a packed row
 _SHORT_WORD = 31  # chunks of at most this many tokens pack into one int32 word (the sign bit left unused)
 _BYTE_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -137,21 +163,12 @@ class JoinTable:
         is sorted in place, so building takes the table's own memory and one grid at a time.
         """
         width = layout.width
-        similarity: torch.Tensor | None = None
-        order: torch.Tensor | None = None
-        at = 0
-        for grid in grids:
-            if similarity is None or order is None:
-                lengths = torch.bincount(layout.token_chunk.to(grid.device), minlength=layout.num_chunks)
-                order = lengths.argsort(descending=True, stable=True)
-                token_rank = order.argsort()[layout.token_chunk.to(grid.device)]
-                active = (lengths[order][None, :] > torch.arange(width, device=grid.device)[:, None]).sum(1).tolist()
-                similarity = torch.empty(heads, layout.num_chunks, width, width, device=grid.device)
-            similarity[at : at + grid.shape[0]] = grid[:, order]
-            at += grid.shape[0]
-            del grid  # before the next grid is computed, and before the sort
-        if similarity is None or order is None or at != heads:
-            raise ValueError(f"grids for {heads} heads expected, got {at}")
+        lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
+        order = lengths.argsort(descending=True, stable=True)
+        token_rank = order.argsort()[layout.token_chunk]
+        active = (lengths[order][None, :] > torch.arange(width, device=lengths.device)[:, None]).sum(1).tolist()
+        similarity = side_by_side(grids, heads, layout, order)  # sorted in place below
+        order, token_rank = order.to(similarity.device), token_rank.to(similarity.device)
         if width > _WORD:
             return cls(order, token_rank, active, similarity, None)
         masks = torch.empty(*similarity.shape[:-1], width + 1, dtype=word_dtype(width), device=similarity.device)
@@ -229,8 +246,7 @@ def greedy_clusters(table: JoinTable, layout: ChunkLayout, tau: torch.Tensor, pr
     """
     device = table.order.device
     joins = table.joins(tau.reshape(-1, table.similarity.shape[0]).to(device))  # (W, K * H, C, words)
-    free = torch.zeros(layout.num_chunks, layout.width, dtype=torch.bool, device=device)
-    free[layout.token_chunk, layout.token_slot] = ~protected
+    free = free_slots(layout, protected.to(device))
     unassigned = pack_rows(free[table.order], joins.dtype).expand(joins.shape[1], -1, -1).clone()  # (K * H, C, words)
     planes = unassigned.new_zeros(max(1, (layout.width - 1).bit_length()), *unassigned.shape)
     seeded = unassigned.new_zeros(unassigned.shape[:2])  # clusters each chunk's free tokens seeded

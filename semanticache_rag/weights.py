@@ -61,6 +61,7 @@ COMPUTE_DTYPE = torch.bfloat16
 #: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
 #: (measured, 2 threads: the codes' kernels win up to 32 rows, the decoded weights from 64 on, by 1.8-2x at 512)
 MANY_ROWS = 64
+_NEVER = 2**62  # a ``many_rows`` no product reaches
 
 
 def check_weights(weights: str) -> None:
@@ -81,7 +82,7 @@ class _WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.compute_dtype = COMPUTE_DTYPE  # attributes, not module globals: TorchScript (scripted_step) reads them
-        self.many_rows = 2**62  # from how many rows to multiply by the decoded() weights (never, unless set)
+        self.many_rows = _NEVER  # from how many rows to multiply by the decoded() weights (never, unless set)
         self.one_row = False  # whether one row goes through row_product() (the C++ kernel) instead of product()
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +244,9 @@ class Int4Linear(_WeightOnlyLinear):
         return unpacked.t()
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.semanticache.int4_row_product(x, self.packed, self.scales_and_zeros, self.out_features, 32)
+        return torch.ops.semanticache.int4_row_product(
+            x, self.packed, self.scales_and_zeros, self.out_features, self.block
+        )
 
 
 class GroupedInt8Linear(_WeightOnlyLinear):
@@ -345,7 +348,7 @@ def convert_weights(model: Any, weights: str) -> Any:
                 continue
             converted = (head_kind if child is head else _LAYER_KINDS[weights])(child)
             if child is head:  # an untied head reads 64 positions at a time: never decode its vocabulary for them
-                converted.many_rows = 2**62
+                converted.many_rows = _NEVER
             setattr(parent, name, converted)
     _own_parameters(model)
     model.semanticache_weights = weights

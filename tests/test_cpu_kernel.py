@@ -229,7 +229,7 @@ def test_int4_weights_decode_as_the_twin_bit_for_bit(kernel, out_features, in_fe
     g = torch.Generator().manual_seed(block)
     packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
     scales_and_zeros = torch.randn(in_features // group, out_features, 2, generator=g).bfloat16()
-    got = cpu_ops.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+    got = cpu_ops.op("unpack_int4_weight")(packed, scales_and_zeros, out_features, block)
     want = int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
     assert got.shape == (in_features, out_features) and torch.equal(got, want)
 
@@ -240,7 +240,7 @@ def test_int4_weights_of_torchs_own_packing_are_the_codes_it_was_given(kernel):
     ones_and_eights = torch.tensor([1.0, 8.0]).bfloat16().expand(4, 64, 2).contiguous()  # weight = code
     blocks = [b for b in (16, 32, 64) if torch.equal(int4_weights_ref.unpack_codes(packed, 64, b).t().int(), codes)]
     assert len(blocks) == 1, "torch's int4 packing changed layout: Int4Linear keeps its kernel for many rows"
-    got = cpu_ops.unpack_int4_weight(packed, ones_and_eights, 64, blocks[0])
+    got = cpu_ops.op("unpack_int4_weight")(packed, ones_and_eights, 64, blocks[0])
     assert torch.equal(got.t(), codes.float())
 
 
@@ -253,7 +253,7 @@ def test_int4_row_product_is_the_decoded_weights_product(kernel, out_features, i
     packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
     scales_and_zeros = torch.randn(in_features // group, out_features, 2, generator=g).bfloat16()
     x = torch.randn(in_features, generator=g)
-    got = cpu_ops.int4_row_product(x, packed, scales_and_zeros, out_features, 32)
+    got = cpu_ops.op("int4_row_product")(x, packed, scales_and_zeros, out_features, 32)
     want = x.double() @ int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, 32).double()
     assert got.shape == (out_features,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -266,13 +266,13 @@ def test_int8_row_product_is_the_codes_product(kernel, out_features, in_features
     codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
     scales = torch.rand(out_features, generator=g).bfloat16()
     x = torch.randn(in_features, generator=g)
-    got = cpu_ops.int8_row_product(x, codes, scales)
+    got = cpu_ops.op("int8_row_product")(x, codes, scales)
     want = (codes.double() @ x.double()) * scales.double()
     assert got.shape == (out_features,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     for args, message in [((x, codes.int(), scales), "int8"), ((x, codes, scales[:-1]), "scales must be")]:
         with pytest.raises(RuntimeError, match=message):
-            cpu_ops.int8_row_product(*args)
+            cpu_ops.op("int8_row_product")(*args)
 
 
 def test_int4_row_product_refuses_bad_inputs(kernel):
@@ -284,7 +284,7 @@ def test_int4_row_product_refuses_bad_inputs(kernel):
         ((x, packed, pairs.float(), 64, 32), "bf16"),
     ]:
         with pytest.raises(RuntimeError, match=message):
-            cpu_ops.int4_row_product(*args)
+            cpu_ops.op("int4_row_product")(*args)
 
 
 def test_int4_weights_refuse_bad_inputs(kernel):
@@ -296,7 +296,7 @@ def test_int4_weights_refuse_bad_inputs(kernel):
         ((packed, torch.zeros(5, 64, 2).bfloat16(), 64, 32), "multiple of the groups"),
     ]:
         with pytest.raises(RuntimeError, match=message):
-            cpu_ops.unpack_int4_weight(*args)
+            cpu_ops.op("unpack_int4_weight")(*args)
 
 
 def clustering_inputs(heads, chunks, width, thresholds, seed):
@@ -317,7 +317,7 @@ def test_clustering_finds_the_twins_clusters(kernel, heads, chunks, width, thres
     """Seed slots and cluster counts equal the torch loop's, for one-word (<= 31), two-word and unmasked
     (> 64 tokens) chunks, at thresholds from -0.4 (most merge) to 0.8."""
     args = clustering_inputs(heads, chunks, width, thresholds, seed=width)
-    slots, counts = cpu_ops.greedy_seeds(*args)
+    slots, counts = cpu_ops.op("greedy_seeds")(*args)
     want_slots, want_counts = gsc_ref.greedy_seeds(*args)
     assert slots.dtype == torch.int16 and slots.shape == (thresholds, heads, chunks, width)
     assert torch.equal(slots, want_slots) and torch.equal(counts, want_counts)
@@ -334,4 +334,4 @@ def test_clustering_refuses_bad_inputs(kernel):
         ((similarity, lengths + 8, free, tau), "has length"),
     ]:
         with pytest.raises(RuntimeError, match=message):
-            cpu_ops.greedy_seeds(*args)
+            cpu_ops.op("greedy_seeds")(*args)

@@ -43,8 +43,10 @@ from semanticache_rag.kernels.gsc_ref import (
     JoinTable,
     chunk_similarity,
     count_clusters,
+    free_slots,
     greedy_clusters,
     merge_clusters,
+    side_by_side,
     word_dtype,
 )
 from semanticache_rag.kv import LayerKV
@@ -397,21 +399,15 @@ class SemantiCacheCompressor(Compressor):
     def _kernel_clustering(grids, heads: int, layout: ChunkLayout, protected: torch.Tensor):
         """:meth:`_clustering` by the C++ clustering kernel (``kernels/gsc_cpu.cpp``): the similarity grids
         side by side, as they are (no sorted table), clustered at each round's thresholds in one call."""
-        similarity = torch.empty(heads, layout.num_chunks, layout.width, layout.width)
-        at = 0
-        for grid in grids:  # one grid at a time, copied in as it comes
-            similarity[at : at + grid.shape[0]] = grid
-            at += grid.shape[0]
-            del grid
+        similarity = side_by_side(grids, heads, layout)
         lengths = torch.bincount(layout.token_chunk, minlength=layout.num_chunks)
-        free = torch.zeros(layout.num_chunks, layout.width, dtype=torch.bool)
-        free[layout.token_chunk, layout.token_slot] = ~protected
+        free = free_slots(layout, protected)
         start = layout.chunk_start[layout.token_chunk]
         kept = int(protected.sum())
         rows = torch.arange(heads)
 
         def on_kernel(tau):
-            slots, counts = cpu_ops.greedy_seeds(similarity, lengths, free, tau.float().contiguous())
+            slots, counts = cpu_ops.op("greedy_seeds")(similarity, lengths, free, tau.float().contiguous())
 
             def pick(index: torch.Tensor) -> torch.Tensor:
                 chosen = slots[index, rows]  # (H, C, W)
