@@ -93,6 +93,8 @@ def side_by_side(
     for grid in grids:
         if similarity is None:
             similarity = torch.empty(heads, layout.num_chunks, layout.width, layout.width, device=grid.device)
+        if at + grid.shape[0] > heads:
+            raise ValueError(f"grids for {heads} heads expected, got more")
         similarity[at : at + grid.shape[0]] = grid if order is None else grid[:, order.to(grid.device)]
         at += grid.shape[0]
         del grid  # before the next grid is computed

@@ -333,3 +333,15 @@ def test_the_cpu_clustering_kernel_finds_the_torch_loops_clusters(
     assert kernel.entries_removed > 0.3
     for a, b in zip(kernel.layers, loop.layers, strict=True):
         assert torch.equal(a.sizes, b.sizes) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_grids_side_by_side_must_cover_the_heads_they_are_for():
+    """Fewer (or more) heads of grids than the table is for is an error that says how many came."""
+    from semanticache_rag.kernels.gsc_ref import side_by_side
+
+    layout = ChunkLayout.from_chunk_ids(torch.tensor([0, 0, 1, 1, 1]))
+    grid = chunk_similarity(torch.randn(2, 5, 8), layout)
+    assert torch.equal(side_by_side([grid[:1], grid[1:]], 2, layout), grid)
+    for grids, heads in (([grid], 3), ([], 2), ([grid, grid], 2)):
+        with pytest.raises(ValueError, match="grids for .* heads expected"):
+            side_by_side(grids, heads, layout)
