@@ -9,7 +9,7 @@
 //   instead (semanticache_rag/weights.py, Int4Linear.rows). Decoding writes each weight once, four bytes,
 //   a group of rows per task on torch's OpenMP pool; torch ops take four passes and their temporaries.
 // - int8_row_product: the same for int8 codes with one scale per output row (a dot product per row).
-// - int4_row_product: decoding multiplies one row by each layer. Per block of 32 outputs and group of
+// - int4_row_product: decoding multiplies one row by each layer. Per block of 32 or 64 outputs and group of
 //   inputs, sum x[k] * code over the group's inputs, then add scale * that + (zero - 8 scale) * sum x[k]:
 //   one FMA per weight in fp32, the codes widened to floats in registers (torch's kernel rounds the row
 //   to bf16 and is 2-4x slower than this here).
@@ -89,77 +89,120 @@ at::Tensor unpack_int4_weight(const at::Tensor& packed, const at::Tensor& scales
   return out;
 }
 
-constexpr int64_t BLOCK = 32;  // outputs per block of the packing the row product takes (torch's on x86)
+// Outputs per block of the packings the row product takes: torch packs 32 on AVX2 CPUs and 64 on AVX-512
+// ones (the same layout: byte j of an input's block holds output j in its low half-byte and output
+// j + block / 2 in its high one).
+constexpr int64_t MAX_BLOCK = 64;
 
-// acc[0..32) = sum over k < count of x[k] * the 32 codes of packed row k of a block (16 bytes a row:
-// codes j and j + 16 in byte j). The sums stay in registers, in two sets (even and odd rows) so that
-// consecutive FMAs do not wait on each other.
-inline void sum_codes(const uint8_t* bytes, const float* x, int64_t count, float* acc) {
 #if defined(__AVX512F__)
-  const __m128i mask = _mm_set1_epi8(15);
-  __m512 e0 = _mm512_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
-  auto add = [&](int64_t k, __m512& low_sum, __m512& high_sum) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + k * 16));
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+// acc[0..block) = sum over k < count of x[k] * the codes of input k of a block (block / 2 bytes each).
+// The sums stay in registers, in two sets (even and odd inputs) so that consecutive FMAs do not wait on
+// each other.
+template <int64_t block>
+inline void sum_codes(const uint8_t* bytes, const float* x, int64_t count, float* acc) {
+  constexpr int64_t half = block / 2, parts = block / 16;  // bytes per input; 16-output sums
+  static_assert(half == 16 || half == 32, "blocks of 32 or 64 outputs");
+  __m512 even[parts], odd[parts];
+  for (int64_t p = 0; p < parts; ++p) even[p] = odd[p] = _mm512_setzero_ps();
+  auto add = [&](int64_t k, __m512* sums) {
     const __m512 v = _mm512_set1_ps(x[k]);
-    low_sum = _mm512_fmadd_ps(v, low, low_sum);
-    high_sum = _mm512_fmadd_ps(v, high, high_sum);
+    for (int64_t h = 0; h < half / 16; ++h) {  // 16 bytes: outputs 16 h.. (low) and half + 16 h.. (high)
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + k * half + 16 * h));
+      const __m128i mask = _mm_set1_epi8(15);
+      const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+      const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+      sums[h] = _mm512_fmadd_ps(v, low, sums[h]);
+      sums[half / 16 + h] = _mm512_fmadd_ps(v, high, sums[half / 16 + h]);
+    }
   };
   int64_t k = 0;
   for (; k + 1 < count; k += 2) {
-    add(k, e0, e1);
-    add(k + 1, o0, o1);
+    add(k, even);
+    add(k + 1, odd);
   }
-  if (k < count) add(k, e0, e1);
-  _mm512_storeu_ps(acc, _mm512_add_ps(e0, o0));
-  _mm512_storeu_ps(acc + 16, _mm512_add_ps(e1, o1));
+  if (k < count) add(k, even);
+  for (int64_t p = 0; p < parts; ++p) _mm512_storeu_ps(acc + 16 * p, _mm512_add_ps(even[p], odd[p]));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
-  // Each row's 16 bytes in both 128-bit halves (a load, no shuffle), then in-lane byte picks put byte j in
-  // 32-bit lane j (the cross-lane widenings are slow on some x86 cores): its low and high half-bytes are
-  // codes j and j + 16.
+template <int64_t block>
+inline void sum_codes(const uint8_t* bytes, const float* x, int64_t count, float* acc) {
+  constexpr int64_t half = block / 2;
+  static_assert(half == 16 || half == 32, "blocks of 32 or 64 outputs");
+  // Each input's 16 bytes in both 128-bit halves (a load, no shuffle), then in-lane byte picks put byte j
+  // in 32-bit lane j (the cross-lane widenings are slow on some x86 cores): its low and high half-bytes
+  // are outputs j and j + half. A block of 64 takes two passes, one per 16 bytes of each input.
   const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1,
                                          5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
   const __m256i mask = _mm256_set1_epi32(15);
-  __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-  auto add = [&](int64_t k, __m256& a0, __m256& a1, __m256& a2, __m256& a3) {
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + k * 16)));
-    const __m256i b0 = _mm256_shuffle_epi8(raw, first), b1 = _mm256_shuffle_epi8(raw, second);
-    const __m256 v = _mm256_set1_ps(x[k]);
-    a0 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), a0);
-    a1 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), a1);
-    a2 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), a2);
-    a3 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), a3);
-  };
-  int64_t k = 0;
-  for (; k + 1 < count; k += 2) {
-    add(k, e0, e1, e2, e3);
-    add(k + 1, o0, o1, o2, o3);
+  for (int64_t h = 0; h < half / 16; ++h) {
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    auto add = [&](int64_t k, __m256& a0, __m256& a1, __m256& a2, __m256& a3) {
+      const __m256i raw =
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + k * half + 16 * h)));
+      const __m256i b0 = _mm256_shuffle_epi8(raw, first), b1 = _mm256_shuffle_epi8(raw, second);
+      const __m256 v = _mm256_set1_ps(x[k]);
+      a0 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), a0);
+      a1 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), a1);
+      a2 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), a2);
+      a3 = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), a3);
+    };
+    int64_t k = 0;
+    for (; k + 1 < count; k += 2) {
+      add(k, e0, e1, e2, e3);
+      add(k + 1, o0, o1, o2, o3);
+    }
+    if (k < count) add(k, e0, e1, e2, e3);
+    _mm256_storeu_ps(acc + 16 * h, _mm256_add_ps(e0, o0));
+    _mm256_storeu_ps(acc + 16 * h + 8, _mm256_add_ps(e1, o1));
+    _mm256_storeu_ps(acc + half + 16 * h, _mm256_add_ps(e2, o2));
+    _mm256_storeu_ps(acc + half + 16 * h + 8, _mm256_add_ps(e3, o3));
   }
-  if (k < count) add(k, e0, e1, e2, e3);
-  _mm256_storeu_ps(acc, _mm256_add_ps(e0, o0));
-  _mm256_storeu_ps(acc + 8, _mm256_add_ps(e1, o1));
-  _mm256_storeu_ps(acc + 16, _mm256_add_ps(e2, o2));
-  _mm256_storeu_ps(acc + 24, _mm256_add_ps(e3, o3));
+}
 #else
-  std::fill(acc, acc + BLOCK, 0.0f);
+template <int64_t block>
+inline void sum_codes(const uint8_t* bytes, const float* x, int64_t count, float* acc) {
+  constexpr int64_t half = block / 2;
+  std::fill(acc, acc + block, 0.0f);
   for (int64_t k = 0; k < count; ++k) {
-    for (int64_t j = 0; j < BLOCK / 2; ++j) {
-      acc[j] += x[k] * static_cast<float>(bytes[k * 16 + j] & 15);
-      acc[BLOCK / 2 + j] += x[k] * static_cast<float>(bytes[k * 16 + j] >> 4);
+    for (int64_t j = 0; j < half; ++j) {
+      acc[j] += x[k] * static_cast<float>(bytes[k * half + j] & 15);
+      acc[half + j] += x[k] * static_cast<float>(bytes[k * half + j] >> 4);
     }
   }
+}
 #endif
+
+// The row product for blocks of `block` outputs.
+template <int64_t block>
+void row_product_blocks(const float* row, const uint8_t* codes, const uint16_t* pairs, const float* sums,
+                        int64_t in_features, int64_t out_features, int64_t groups, float* o) {
+  const int64_t group = in_features / groups, blocks = out_features / block;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float total[block], acc[block];
+    for (int64_t b = first; b < last; ++b) {
+      std::fill(total, total + block, 0.0f);
+      const uint8_t* bytes = codes + b * in_features * (block / 2);
+      for (int64_t g = 0; g < groups; ++g) {
+        sum_codes<block>(bytes + g * group * (block / 2), row + g * group, group, acc);
+        const uint16_t* pair = pairs + (g * out_features + b * block) * 2;
+        for (int64_t j = 0; j < block; ++j) {
+          const float scale = bf16_to_float(pair[2 * j]), zero = bf16_to_float(pair[2 * j + 1]);
+          total[j] += scale * acc[j] + (zero - 8.0f * scale) * sums[g];
+        }
+      }
+      std::memcpy(o + b * block, total, sizeof total);
+    }
+  });
 }
 
-// x (in,) float32 times the weights of unpack_int4_weight: (out,) float32. Blocks of 32 outputs only.
+// x (in,) float32 times the weights of unpack_int4_weight: (out,) float32. Blocks of 32 or 64 outputs.
 at::Tensor int4_row_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                             int64_t out_features, int64_t block) {
-  TORCH_CHECK(block == BLOCK, "the row product takes blocks of ", BLOCK, " outputs, got ", block);
+  TORCH_CHECK(block == 32 || block == MAX_BLOCK, "the row product takes blocks of 32 or 64 outputs, got ", block);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  out_features > 0 && out_features % BLOCK == 0 && packed.numel() % (out_features / 2) == 0,
-              "packed must be contiguous uint8 (out, in / 2) with out a multiple of ", BLOCK);
+                  out_features > 0 && out_features % block == 0 && packed.numel() % (out_features / 2) == 0,
+              "packed must be contiguous uint8 (out, in / 2) with out a multiple of ", block);
   const int64_t in_features = packed.numel() / (out_features / 2);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == in_features,
               "x must be a contiguous float32 row of ", in_features, " inputs, got ", x.sizes());
@@ -168,7 +211,7 @@ at::Tensor int4_row_product(const at::Tensor& x, const at::Tensor& packed, const
                   scales_and_zeros.size(2) == 2 && scales_and_zeros.size(0) > 0 &&
                   in_features % scales_and_zeros.size(0) == 0,
               "scales_and_zeros must be contiguous bf16 (in / group, out, 2), got ", scales_and_zeros.sizes());
-  const int64_t groups = scales_and_zeros.size(0), group = in_features / groups, blocks = out_features / BLOCK;
+  const int64_t groups = scales_and_zeros.size(0), group = in_features / groups;
   const float* row = x.data_ptr<float>();
   std::vector<float> sums(groups, 0.0f);  // sum of x over each group
   for (int64_t g = 0; g < groups; ++g) {
@@ -178,22 +221,11 @@ at::Tensor int4_row_product(const at::Tensor& x, const at::Tensor& packed, const
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const uint16_t* pairs = reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr<at::BFloat16>());
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    alignas(64) float total[BLOCK], acc[BLOCK];
-    for (int64_t b = first; b < last; ++b) {
-      std::fill(total, total + BLOCK, 0.0f);
-      const uint8_t* bytes = codes + b * in_features * (BLOCK / 2);
-      for (int64_t g = 0; g < groups; ++g) {
-        sum_codes(bytes + g * group * (BLOCK / 2), row + g * group, group, acc);
-        const uint16_t* pair = pairs + (g * out_features + b * BLOCK) * 2;
-        for (int64_t j = 0; j < BLOCK; ++j) {
-          const float scale = bf16_to_float(pair[2 * j]), zero = bf16_to_float(pair[2 * j + 1]);
-          total[j] += scale * acc[j] + (zero - 8.0f * scale) * sums[g];
-        }
-      }
-      std::memcpy(o + b * BLOCK, total, sizeof total);
-    }
-  });
+  if (block == 32) {
+    row_product_blocks<32>(row, codes, pairs, sums.data(), in_features, out_features, groups, o);
+  } else {
+    row_product_blocks<MAX_BLOCK>(row, codes, pairs, sums.data(), in_features, out_features, groups, o);
+  }
   return out;
 }
 

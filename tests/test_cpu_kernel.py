@@ -245,16 +245,18 @@ def test_int4_weights_of_torchs_own_packing_are_the_codes_it_was_given(kernel):
 
 
 @pytest.mark.parametrize(
-    "out_features, in_features, group", [(64, 96, 32), (32, 64, 16), (96, 1152, 32), (32, 33 * 2, 33)]
+    "out_features, in_features, group, block",
+    [(64, 96, 32, 32), (32, 64, 16, 32), (96, 1152, 32, 32), (32, 33 * 2, 33, 32), (128, 96, 32, 64), (64, 66, 33, 64)],
 )
-def test_int4_row_product_is_the_decoded_weights_product(kernel, out_features, in_features, group):
-    """One fp32 row times the decoded weights (odd groups too: the code loop's odd tail), to fp32 rounding."""
+def test_int4_row_product_is_the_decoded_weights_product(kernel, out_features, in_features, group, block):
+    """One fp32 row times the decoded weights, in blocks of 32 outputs (torch's packing on AVX2) or 64
+    (on AVX-512), odd groups too (the code loop's odd tail), to fp32 rounding."""
     g = torch.Generator().manual_seed(in_features)
     packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
     scales_and_zeros = torch.randn(in_features // group, out_features, 2, generator=g).bfloat16()
     x = torch.randn(in_features, generator=g)
-    got = cpu_ops.op("int4_row_product")(x, packed, scales_and_zeros, out_features, 32)
-    want = x.double() @ int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, 32).double()
+    got = cpu_ops.op("int4_row_product")(x, packed, scales_and_zeros, out_features, block)
+    want = x.double() @ int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, block).double()
     assert got.shape == (out_features,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
@@ -278,7 +280,7 @@ def test_int8_row_product_is_the_codes_product(kernel, out_features, in_features
 def test_int4_row_product_refuses_bad_inputs(kernel):
     packed, pairs, x = torch.zeros(64, 48, dtype=torch.uint8), torch.zeros(3, 64, 2).bfloat16(), torch.zeros(96)
     for args, message in [
-        ((x, packed, pairs, 64, 16), "blocks of 32"),
+        ((x, packed, pairs, 64, 16), "blocks of 32 or 64"),
         ((x[:95], packed, pairs, 64, 32), "row of 96"),
         ((x.double(), packed, pairs, 64, 32), "float32"),
         ((x, packed, pairs.float(), 64, 32), "bf16"),

@@ -9,7 +9,7 @@ import torch
 
 from semanticache_rag import ConfigError, Engine, NoCompression, SeKVCompressor
 from semanticache_rag.compressors import make_compressor
-from semanticache_rag.compressors.sekv import SpanIndex, _factor
+from semanticache_rag.compressors.sekv import SpanIndex, _factor, _top_eigenvectors
 
 
 def _read(engine, text, compressor):
@@ -32,6 +32,21 @@ def test_reconstruction_error_falls_with_rank_and_is_exact_at_full_rank():
     assert errors[-1] < 1e-5
     left, right = _factor(rows[:, :, :, :4], 8, torch.float32)  # spans of <= rank tokens are kept as they are
     assert left is None and torch.equal(right, rows[:, :, :, :4])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_top_eigenvectors_shared_out_to_threads_are_torchs_own(threads):
+    """The batch solved a share per thread is torch's single call bit for bit; the thread count comes back."""
+    x = torch.randn(2, 3, 7, 24, 16, generator=torch.Generator().manual_seed(threads))
+    gram = x.transpose(-1, -2) @ x
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _top_eigenvectors(gram, 5)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (2, 3, 7, 16, 5) and torch.equal(got, torch.linalg.eigh(gram).eigenvectors[..., -5:])
 
 
 def test_summary_meets_the_device_budget_and_sizes_sum(engine, document_text):

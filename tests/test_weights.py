@@ -201,7 +201,8 @@ def test_tied_head_decodes_in_codes_and_reads_with_the_embedding(tiny_llama, wei
     assert model.semanticache_reading_head is model.get_input_embeddings()
     untied = convert_weights(copy.deepcopy(tiny_llama), weights)
     assert isinstance(untied.lm_head, untied_head) and not hasattr(untied, "semanticache_reading_head")
-    assert untied.lm_head.many_rows > 2**40 and untied.model.layers[0].mlp.down_proj.many_rows < 1000
+    # (a layer of 256 outputs: torch's packing of 96, the tiny model's width, on AVX-512 is not the known one)
+    assert untied.lm_head.many_rows > 2**40 and untied.model.layers[0].mlp.gate_up_proj.many_rows < 1000
 
 
 def test_weight_format_is_part_of_a_stored_cache_key(tiny_llama, tiny_tokenizer):
