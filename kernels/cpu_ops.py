@@ -2,7 +2,8 @@
 
 Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`) has the signature of
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
-``unpack_int4_weight``, ``int4_row_product`` and ``int8_row_product`` (``int4_weights_cpu.cpp``) those of
+``unpack_int4_weight``, ``int4_row_product``, ``int8_row_product`` and ``q8_0_product``
+(``int4_weights_cpu.cpp``) those of
 :mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`. Their schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
@@ -63,6 +64,7 @@ SCHEMAS = {
         "int8_row_product(Tensor x, Tensor codes, Tensor scales) -> Tensor",
         int4_weights_ref.int8_row_product,
     ),
+    "q8_0_product": ("q8_0_product(Tensor x, Tensor codes, Tensor scales) -> Tensor", int4_weights_ref.q8_0_product),
     "greedy_seeds": (
         "greedy_seeds(Tensor similarity, Tensor chunk_lengths, Tensor free, Tensor tau) -> (Tensor, Tensor)",
         gsc_ref.greedy_seeds,

@@ -26,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -173,6 +174,39 @@ inline void sum_codes(const uint8_t* bytes, const float* x, int64_t count, float
 }
 #endif
 
+// total[j] += scale_j * acc[j] + (zero_j - 8 scale_j) * sum for a block's outputs, their (scale, zero)
+// bf16 pairs read 16 (or 8) at a time as 32-bit words: the scale is the word shifted up by 16 bits, the
+// zero the word's top half (a third of the row product's work when written one output at a time).
+template <int64_t block>
+inline void add_group(float* total, const float* acc, const uint16_t* pair, float sum) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (; j + 16 <= block; j += 16) {
+    const __m512i words = _mm512_loadu_si512(pair + 2 * j);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(words, top));
+    __m512 t = _mm512_fmadd_ps(scale, _mm512_loadu_ps(acc + j), _mm512_loadu_ps(total + j));
+    t = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero), _mm512_set1_ps(sum), t);
+    _mm512_storeu_ps(total + j, t);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (; j + 8 <= block; j += 8) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 2 * j));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(words, top));
+    __m256 t = _mm256_fmadd_ps(scale, _mm256_loadu_ps(acc + j), _mm256_loadu_ps(total + j));
+    t = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero), _mm256_set1_ps(sum), t);
+    _mm256_storeu_ps(total + j, t);
+  }
+#endif
+  for (; j < block; ++j) {
+    const float scale = bf16_to_float(pair[2 * j]), zero = bf16_to_float(pair[2 * j + 1]);
+    total[j] += scale * acc[j] + (zero - 8.0f * scale) * sum;
+  }
+}
+
 // The row product for blocks of `block` outputs.
 template <int64_t block>
 void row_product_blocks(const float* row, const uint8_t* codes, const uint16_t* pairs, const float* sums,
@@ -185,11 +219,7 @@ void row_product_blocks(const float* row, const uint8_t* codes, const uint16_t* 
       const uint8_t* bytes = codes + b * in_features * (block / 2);
       for (int64_t g = 0; g < groups; ++g) {
         sum_codes<block>(bytes + g * group * (block / 2), row + g * group, group, acc);
-        const uint16_t* pair = pairs + (g * out_features + b * block) * 2;
-        for (int64_t j = 0; j < block; ++j) {
-          const float scale = bf16_to_float(pair[2 * j]), zero = bf16_to_float(pair[2 * j + 1]);
-          total[j] += scale * acc[j] + (zero - 8.0f * scale) * sums[g];
-        }
+        add_group<block>(total, acc, pairs + (g * out_features + b * block) * 2, sums[g]);
       }
       std::memcpy(o + b * block, total, sizeof total);
     }
@@ -281,10 +311,130 @@ at::Tensor int8_row_product(const at::Tensor& x, const at::Tensor& codes, const 
   return out;
 }
 
+// Q8_0 rows (GGUF's: int8 codes, a scale per group of 32 inputs) times fp32 rows, the rows quantised as
+// llama.cpp quantises them (Q8_0 too: per group, scale = largest magnitude / 127, code = round(x / scale),
+// ties to even), so the sums are of integers: AVX-512 VNNI multiplies 64 code bytes by 4 input codes
+// per instruction. codes: uint8 (out / 16, in / 4, 16, 4), code + 128, for 16 outputs the codes of 4
+// consecutive inputs side by side (the 4 bytes one 32-bit lane multiplies); scales: bf16
+// (out / 16, in / 32, 16). x (rows, in) float32 -> (rows, out) float32: per output and group,
+// scale * x's scale * sum code * x's code, summed over groups in fp32.
+constexpr int64_t Q8_GROUP = 32, Q8_OUTPUTS = 16;
+
+// sum over a group of code * x code for 16 outputs (lane j: output j); quads = the group's 8 x 64 bytes
+inline void q8_group_dots(const uint8_t* quads, const int8_t* xq, int32_t xq_sum, int32_t* dots) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  // unsigned codes + 128 times signed x codes, 4 per lane; minus 128 * sum of x codes
+  __m512i even = _mm512_setzero_si512(), odd = even;
+  for (int64_t q = 0; q < Q8_GROUP / 4; q += 2) {
+    int32_t x0, x1;
+    std::memcpy(&x0, xq + 4 * q, 4);
+    std::memcpy(&x1, xq + 4 * q + 4, 4);
+    even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(quads + 64 * q), _mm512_set1_epi32(x0));
+    odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(quads + 64 * q + 64), _mm512_set1_epi32(x1));
+  }
+  const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(128 * xq_sum));
+  _mm512_storeu_si512(dots, sums);
+#elif defined(__AVX2__)
+  // signed codes (code + 128 with its top bit flipped); |x code| times code with x's sign, pairs summed
+  // in 16 bits (at most 2 * 127 * 127) and then in 32
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256i low = _mm256_setzero_si256(), high = low;  // outputs 0..7, 8..15
+  for (int64_t q = 0; q < Q8_GROUP / 4; ++q) {
+    int32_t word;
+    std::memcpy(&word, xq + 4 * q, 4);
+    const __m256i x = _mm256_set1_epi32(word), magnitude = _mm256_abs_epi8(x);
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256i codes =
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + 64 * q + 32 * h)), flip);
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(codes, x));
+      __m256i& sum = h ? high : low;
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
+  }
+  (void)xq_sum;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots), low);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + 8), high);
+#else
+  for (int64_t j = 0; j < Q8_OUTPUTS; ++j) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < Q8_GROUP; ++k) {
+      sum += (static_cast<int32_t>(quads[64 * (k / 4) + 4 * j + k % 4]) - 128) * xq[k];
+    }
+    dots[j] = sum;
+  }
+  (void)xq_sum;
+#endif
+}
+
+at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
+                  codes.size(2) == Q8_OUTPUTS && codes.size(3) == 4 && codes.is_contiguous() &&
+                  (codes.size(1) * 4) % Q8_GROUP == 0,
+              "codes must be contiguous uint8 (out / 16, in / 4, 16, 4) with in a multiple of 32, got ",
+              codes.sizes());
+  const int64_t blocks = codes.size(0), in_features = codes.size(1) * 4, groups = in_features / Q8_GROUP;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
+              "x must be contiguous float32 rows of ", in_features, " inputs, got ", x.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == Q8_OUTPUTS,
+              "scales must be contiguous bf16 (out / 16, in / 32, 16), got ", scales.sizes());
+  const int64_t rows = x.size(0), out_features = blocks * Q8_OUTPUTS;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  std::vector<int8_t> xq(in_features);
+  std::vector<float> x_scale(groups);
+  std::vector<int32_t> xq_sum(groups);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * in_features;
+    for (int64_t g = 0; g < groups; ++g) {
+      float largest = 0.0f;
+      for (int64_t k = g * Q8_GROUP; k < (g + 1) * Q8_GROUP; ++k) largest = std::max(largest, std::fabs(row[k]));
+      const float scale = largest / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
+      int32_t sum = 0;
+      for (int64_t k = g * Q8_GROUP; k < (g + 1) * Q8_GROUP; ++k) {
+        xq[k] = static_cast<int8_t>(std::nearbyint(row[k] / safe));
+        sum += xq[k];
+      }
+      x_scale[g] = scale;
+      xq_sum[g] = sum;
+    }
+    float* o = out.data_ptr<float>() + r * out_features;
+    at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
+      alignas(64) int32_t dots[Q8_OUTPUTS];
+      for (int64_t b = first; b < last; ++b) {
+#if defined(__AVX512F__)
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          q8_group_dots(c + (b * in_features + g * Q8_GROUP) * Q8_OUTPUTS, xq.data() + g * Q8_GROUP, xq_sum[g], dots);
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (b * groups + g) * Q8_OUTPUTS));
+          const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+          total = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(x_scale[g])),
+                                  _mm512_cvtepi32_ps(_mm512_load_si512(dots)), total);
+        }
+        _mm512_storeu_ps(o + b * Q8_OUTPUTS, total);
+#else
+        float total[Q8_OUTPUTS] = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          q8_group_dots(c + (b * in_features + g * Q8_GROUP) * Q8_OUTPUTS, xq.data() + g * Q8_GROUP, xq_sum[g], dots);
+          const uint16_t* scale = s + (b * groups + g) * Q8_OUTPUTS;
+          for (int64_t j = 0; j < Q8_OUTPUTS; ++j) {
+            total[j] += bf16_to_float(scale[j]) * x_scale[g] * static_cast<float>(dots[j]);
+          }
+        }
+        std::memcpy(o + b * Q8_OUTPUTS, total, sizeof total);
+#endif
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
   m.impl("unpack_int4_weight", &unpack_int4_weight);
   m.impl("int4_row_product", &int4_row_product);
   m.impl("int8_row_product", &int8_row_product);
+  m.impl("q8_0_product", &q8_0_product);
 }

@@ -6,7 +6,8 @@ the low half-byte and output ``j + block / 2`` in the high one. That layout is t
 documented, so :class:`~semanticache_rag.weights.Int4Linear` checks it against the codes it packed
 (:func:`unpack_codes`) before it decodes by it. :mod:`.cpu_ops` builds the C++ twins
 (``int4_weights_cpu.cpp``): the decoding in one pass instead of four, and the one-row products of
-int4 and of int8 codes (:class:`~semanticache_rag.weights.Int8Linear`'s, one scale per output) in fp32.
+int4 and of int8 codes (:class:`~semanticache_rag.weights.Int8Linear`'s, one scale per output) in fp32, and the
+product of Q8_0 weights (:class:`~semanticache_rag.weights.GroupedInt8Linear`) by Q8_0-quantised rows.
 """
 
 from __future__ import annotations
@@ -44,3 +45,29 @@ def int4_row_product(
 def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` (in,) fp32 times int8 ``codes`` (out, in) with one bf16 scale per output: (out,) fp32."""
     return (codes.float() @ x) * scales.float()
+
+
+def quantize_rows(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 of fp32 rows (rows, in), as llama.cpp quantises a layer's input: per ``group`` inputs,
+    scale = largest magnitude / 127 and code = round(x / scale) (ties to even): codes (rows, in / group,
+    group) int32 and scales (rows, in / group) fp32."""
+    grouped = x.float().unflatten(-1, (-1, group))
+    scales = grouped.abs().amax(-1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(grouped / safe[..., None]).to(torch.int32), scales
+
+
+def q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` (rows, in) fp32 times Q8_0 weights, ``x`` quantised by :func:`quantize_rows`: (rows, out) fp32.
+
+    ``codes`` (out / 16, in / 4, 16, 4) uint8 hold code + 128, the codes of 4 consecutive inputs of 16
+    outputs side by side; ``scales`` (out / 16, in / 32, 16) bf16 one per output and group of 32 inputs.
+    Per output and group: weight scale * input scale * the integer sum of code products, summed in fp32.
+    """
+    blocks, quads = codes.shape[:2]
+    groups = 4 * quads // 32
+    weight_codes = (codes.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(16 * blocks, groups, 32)
+    input_codes, input_scales = quantize_rows(x)
+    dots = torch.einsum("ogk,rgk->rog", weight_codes.double(), input_codes.double()).float()  # exact integers
+    weight_scales = scales.float().permute(0, 2, 1).reshape(16 * blocks, groups)
+    return (weight_scales[None] * input_scales[:, None, :] * dots).sum(-1)

@@ -252,41 +252,37 @@ class Int4Linear(_WeightOnlyLinear):
 class GroupedInt8Linear(_WeightOnlyLinear):
     """Symmetric int8 weights with one scale per group of :data:`GROUP` inputs of a row (GGUF's Q8_0).
 
-    Torch has no grouped int8 CPU kernel (its int8 kernel scales whole rows, and ran a group at a
-    time at 3.6 ms per token for the default model's head), but its int4 one is grouped: each code
-    ``c`` (-127..127) is stored as two 4-bit planes, ``c + 128 = 16 h + l``, and one int4 product over
-    the input written twice, ``[x, x]``, gives ``sum 16 s h + s l - 128 s = sum s c`` (the ``h`` plane
-    with scale ``16 s`` and zero 0, the ``l`` plane with scale ``s`` and zero ``8 s``): 1.8 ms, the
-    same bytes as int8. The codes are exact; the scales are rounded to bf16 (as in
-    :class:`Int4Linear`), and the product comes out in bf16. For the default model's output head, a
-    Q8_0 table in the GGUF, the codes found (:func:`_int8_codes`) are the file's own.
+    The product is llama.cpp's: each input row is quantised to Q8_0 too (per group of 32, scale =
+    largest magnitude / 127), so every group's sum is of integers, which AVX-512 VNNI takes 64 code
+    bytes at a time (``q8_0_product`` in ``kernels/int4_weights_cpu.cpp``; AVX2 in two steps). That
+    changes the arithmetic (the inputs lose what their int8 rounding loses: the default model's
+    decoding head, 4.0 -> 0.9 ms a token on an AVX-512 CPU; the speed benchmark reports the answers'
+    KL). The codes are exact; the scales are rounded to bf16 (as in :class:`Int4Linear`). For the
+    default model's output head, a Q8_0 table in the GGUF, the codes found (:func:`_int8_codes`) are
+    the file's own. Rows go one at a time (the layer is a decoding head: one row a step).
     """
 
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
+        if linear.out_features % 16 or linear.in_features % GROUP:
+            raise ValueError(f"a Q8_0 layer takes outputs in 16s and inputs in {GROUP}s, got {tuple(linear.weight.shape)}")
         codes, scales = _int8_codes(linear.weight, GROUP)  # (out, in / GROUP, GROUP), (out, in / GROUP)
-        shifted = codes.flatten(1).to(torch.int32) + 128
-        planes = torch.cat([shifted >> 4, shifted & 15], dim=1)  # (out, 2 * in): h plane, then l plane
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(planes.contiguous(), 1))
-        scale = scales.to(COMPUTE_DTYPE).float()  # rounded once, so 16 s and 8 s are exact multiples of it
-        high = torch.stack([16 * scale, torch.zeros_like(scale)], dim=-1)
-        low = torch.stack([scale, 8 * scale], dim=-1)
-        scales_and_zeros = torch.cat([high, low], dim=1).transpose(0, 1).contiguous()  # (2 * in / GROUP, out, 2)
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
-        self.block = _packing_block(self.packed, planes)
-        self.one_row = _row_kernel(self.block)
+        shifted = (codes.to(torch.int16) + 128).to(torch.uint8).view(-1, 16, self.in_features // 4, 4)
+        self.register_buffer("codes", shifted.transpose(1, 2).contiguous())  # (out / 16, in / 4, 16, 4)
+        grouped = scales.to(COMPUTE_DTYPE).view(-1, 16, scales.shape[1])
+        self.register_buffer("scales", grouped.transpose(1, 2).contiguous())  # (out / 16, in / GROUP, 16)
+        cpu_ops.available()  # builds the C++ kernels (once); without them the torch twin multiplies
+        self.one_row = True
+        self.compute_dtype = torch.float32  # rows are quantised from fp32, not from bf16
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(torch.cat([x, x], dim=1), self.packed, GROUP, self.scales_and_zeros)
+        return torch.ops.semanticache.q8_0_product(x.float().contiguous(), self.codes, self.scales)
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
-        twice = torch.cat([x, x])
-        return torch.ops.semanticache.int4_row_product(
-            twice, self.packed, self.scales_and_zeros, self.out_features, self.block
-        )
+        return torch.ops.semanticache.q8_0_product(x[None], self.codes, self.scales)[0]
 
 
 _LAYER_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
@@ -339,7 +335,9 @@ def convert_weights(model: Any, weights: str) -> Any:
     if weights in ("fp16", "int8", "int4") and head is not None and _tied_head(model, head) and _fits(weights, head):
         # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes);
         # reading, which needs the logits of many positions (surprisal), multiplies by the tied embedding table
-        head_kind = {"fp16": FP16Linear, "int8": Int8Linear, "int4": GroupedInt8Linear}[weights]
+        # (Q8_0 where the C++ kernels are built: without them its product decodes the whole table each step)
+        q8_0 = GroupedInt8Linear if cpu_ops.available() else BF16Linear
+        head_kind = {"fp16": FP16Linear, "int8": Int8Linear, "int4": q8_0}[weights]
         model.semanticache_reading_head = model.get_input_embeddings()
     decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
     if decoder and all(_fits(weights, linear) for linear in decoder):

@@ -277,6 +277,41 @@ def test_int8_row_product_is_the_codes_product(kernel, out_features, in_features
             cpu_ops.op("int8_row_product")(*args)
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 96), (3, 16, 64), (2, 256, 1152)])
+def test_q8_0_product_is_its_twins_integer_sums(kernel, rows, out_features, in_features):
+    """Any codes (both ends of the range), bf16 scales, inputs with a zero group and ties: the twin's
+    integer sums, scaled, to fp32 rounding; and within what quantising the inputs costs of the exact product."""
+    g = torch.Generator().manual_seed(in_features)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int32)
+    codes[0, :2] = torch.tensor([-127, 127])
+    layout = (codes + 128).to(torch.uint8).view(-1, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+    scales = (torch.rand(out_features // 16, in_features // 32, 16, generator=g) / 100).bfloat16()
+    x = torch.randn(rows, in_features, generator=g)
+    x[0, :32] = 0  # a zero group: scale 0, codes 0
+    x[-1, 32:64] = torch.arange(32) / 2 - 8  # halves: ties to even
+    got = cpu_ops.op("q8_0_product")(x, layout, scales)
+    want = int4_weights_ref.q8_0_product(x, layout, scales)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    weight = codes.float() * scales.float().transpose(1, 2).reshape(out_features, -1).repeat_interleave(32, 1)
+    exact = x @ weight.T
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_q8_0_product_refuses_bad_inputs(kernel):
+    codes, scales, x = torch.zeros(4, 24, 16, 4, dtype=torch.uint8), torch.zeros(4, 3, 16).bfloat16(), torch.zeros(1, 96)
+    for args, message in [
+        ((x, codes.int(), scales), "uint8"),
+        ((x, torch.zeros(4, 23, 16, 4, dtype=torch.uint8), scales), "multiple of 32"),
+        ((x[:, :64], codes, scales), "rows of 96"),
+        ((x.double(), codes, scales), "float32"),
+        ((x, codes, scales.float()), "bf16"),
+        ((x, codes, scales[:, :2]), "in / 32"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.op("q8_0_product")(*args)
+
+
 def test_int4_row_product_refuses_bad_inputs(kernel):
     packed, pairs, x = torch.zeros(64, 48, dtype=torch.uint8), torch.zeros(3, 64, 2).bfloat16(), torch.zeros(96)
     for args, message in [

@@ -10,6 +10,7 @@ from tests_support import needs_default_model
 
 from semanticache_rag import Engine
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels import int4_weights_ref
 from semanticache_rag.store_key import model_identity
 from semanticache_rag.weights import (
     BF16Linear,
@@ -122,8 +123,6 @@ def test_one_row_is_multiplied_in_fp32_by_the_cpu_kernel(kind):
 def test_an_int4_packing_of_another_layout_keeps_the_kernel_for_many_rows(monkeypatch):
     """Torch's int4 packing is undocumented: where unpacking by the known layout does not give the codes
     back, the layer never decodes, and many rows go through torch's kernel as few do."""
-    from semanticache_rag.kernels import int4_weights_ref
-
     monkeypatch.setattr(int4_weights_ref, "unpack_codes", lambda packed, out, block: torch.zeros(96, out))
     layer = Int4Linear(torch.nn.Linear(96, 64, bias=False))
     assert layer.block == 0 and layer.many_rows > 2**40 and not layer.one_row
@@ -171,11 +170,13 @@ def test_q8_0_head_finds_its_codes_again_and_multiplies_by_them():
     assert torch.equal((found.float() * found_scales[..., None]).reshape(48, 96), linear.weight.detach())
     head = GroupedInt8Linear(linear)
     x = torch.randn(3, 96)
-    # the codes exactly, the scales in bf16, the inputs in bf16 (as every product), the output rounded to bf16
+    # the codes exactly, the scales in bf16, the inputs quantised to Q8_0 (as llama.cpp's product), fp32 sums
     weight = (codes * scales.to(torch.bfloat16).float()).reshape(48, 96)
-    want = x.to(torch.bfloat16).float() @ weight.T
-    assert torch.allclose(head(x), want, rtol=2**-8, atol=1e-6)
-    assert torch.allclose(head(x)[1], head(x[1:2])[0])
+    input_codes, input_scales = int4_weights_ref.quantize_rows(x)
+    want = (input_codes * input_scales[..., None]).flatten(1) @ weight.T
+    torch.testing.assert_close(head(x), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head(x)[1], head(x[1:2])[0], rtol=0, atol=0)
+    assert (head(x) - x @ weight.T).abs().max() <= 0.01 * (x @ weight.T).abs().max()  # what quantising x costs
 
 
 def test_int4_leaves_layers_its_kernel_cannot_take_as_they_are(tiny_llama):
