@@ -2,7 +2,7 @@
 
 Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`) has the signature of
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
-``unpack_int4_weight``, ``int4_row_product``, ``int8_row_product`` and ``q8_0_product``
+``unpack_q4_1``, ``q4_1_product``, ``q8_0_product`` and ``int8_row_product``
 (``int4_weights_cpu.cpp``) those of
 :mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`. Their schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
@@ -52,13 +52,10 @@ SCHEMAS = {
         "Tensor new_keys, Tensor new_values) -> Tensor",
         decode_attention_ref.decode_attention,
     ),
-    "unpack_int4_weight": (
-        "unpack_int4_weight(Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
-        int4_weights_ref.unpack_int4_weight,
-    ),
-    "int4_row_product": (
-        "int4_row_product(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, int block) -> Tensor",
-        int4_weights_ref.int4_row_product,
+    "unpack_q4_1": ("unpack_q4_1(Tensor codes, Tensor scales, Tensor minimums) -> Tensor", int4_weights_ref.unpack_q4_1),
+    "q4_1_product": (
+        "q4_1_product(Tensor x, Tensor codes, Tensor scales, Tensor minimums) -> Tensor",
+        int4_weights_ref.q4_1_product,
     ),
     "int8_row_product": (
         "int8_row_product(Tensor x, Tensor codes, Tensor scales) -> Tensor",

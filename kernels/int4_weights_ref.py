@@ -1,13 +1,12 @@
-"""A layer's int4 weights, as torch's CPU int4 kernel packs them, decoded to fp32, in torch.
+"""Weight-only layers' products on CPUs as llama.cpp computes them, in torch (the twins of the C++ kernels).
 
-``torch._convert_weight_to_int4pack_for_cpu`` packs a layer's codes (out, in) in blocks of
-``block`` outputs: each block is ``in`` rows of ``block / 2`` bytes, output ``j`` of the block in
-the low half-byte and output ``j + block / 2`` in the high one. That layout is torch's own and not
-documented, so :class:`~semanticache_rag.weights.Int4Linear` checks it against the codes it packed
-(:func:`unpack_codes`) before it decodes by it. :mod:`.cpu_ops` builds the C++ twins
-(``int4_weights_cpu.cpp``): the decoding in one pass instead of four, and the one-row products of
-int4 and of int8 codes (:class:`~semanticache_rag.weights.Int8Linear`'s, one scale per output) in fp32, and the
-product of Q8_0 weights (:class:`~semanticache_rag.weights.GroupedInt8Linear`) by Q8_0-quantised rows.
+The products quantise each input row to Q8_0 (:func:`quantize_rows`) and sum code products as integers:
+Q4_1 weights (:class:`~semanticache_rag.weights.Int4Linear`: 4-bit codes, an fp16 scale and minimum per
+group of 32 inputs, in a layout of their own, :func:`q4_1_layout`) and Q8_0 ones
+(:class:`~semanticache_rag.weights.GroupedInt8Linear`). Many rows (reading) multiply by the decoded
+Q4_1 weights instead (:func:`unpack_q4_1`). :class:`~semanticache_rag.weights.Int8Linear`'s one-row
+product (int8 codes, one scale per output) stays in fp32. :mod:`.cpu_ops` builds the C++ twins
+(``int4_weights_cpu.cpp``).
 """
 
 from __future__ import annotations
@@ -15,31 +14,45 @@ from __future__ import annotations
 import torch
 
 
-def unpack_codes(packed: torch.Tensor, out_features: int, block: int) -> torch.Tensor:
-    """The codes (in, out) uint8 in 0..15 of ``packed`` (out, in / 2)."""
-    in_features = 2 * packed.numel() // out_features
-    grid = packed.view(out_features // block, in_features, block // 2)
-    codes = torch.stack([grid & 15, grid >> 4], dim=2)  # (out / block, in, 2, block / 2)
-    return codes.permute(1, 0, 2, 3).reshape(in_features, out_features)
+def q4_1_layout(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (out, in) in 0..15 laid out as the Q4_1 products take them: (out / 16, in / 8, 16, 4)
+    uint8, for 16 outputs and 8 consecutive inputs each output's 4 bytes, byte ``t`` holding input ``t``
+    in its low half and input ``4 + t`` in its high one."""
+    out_features, in_features = codes.shape
+    octets = codes.to(torch.uint8).view(out_features // 16, 16, in_features // 8, 2, 4)
+    return (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
 
 
-def unpack_int4_weight(
-    packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int
-) -> torch.Tensor:
-    """The weights (in, out) fp32 that torch's int4 kernel multiplies by: ``(code - 8) * scale + zero``
-    per group of ``in / scales_and_zeros.shape[0]`` inputs (``scales_and_zeros`` (in / group, out, 2) bf16)."""
-    codes = unpack_codes(packed, out_features, block)
-    in_features, groups = codes.shape[0], scales_and_zeros.shape[0]
-    scales, zeros = scales_and_zeros.float().unbind(-1)  # (in / group, out) each
-    grouped = codes.view(groups, in_features // groups, out_features).float() - 8
-    return torch.addcmul(zeros[:, None], grouped, scales[:, None]).view(in_features, out_features)
+def q4_1_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The codes (out, in) of a :func:`q4_1_layout`."""
+    blocks, octets = codes.shape[:2]
+    halves = torch.stack([codes & 15, codes >> 4], dim=3)  # (out / 16, in / 8, 16, 2, 4)
+    return halves.permute(0, 2, 1, 3, 4).reshape(16 * blocks, 8 * octets)
 
 
-def int4_row_product(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, block: int
-) -> torch.Tensor:
-    """``x`` (in,) fp32 times those weights: (out,) fp32 (decoding's one-row product)."""
-    return x @ unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+def _per_output(values: torch.Tensor) -> torch.Tensor:
+    """(out / 16, in / 32, 16) -> (out, in / 32) fp32."""
+    return values.float().transpose(1, 2).reshape(-1, values.shape[1])
+
+
+def unpack_q4_1(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """The Q4_1 weights (in, out) fp32 of a layout (``scales``, ``minimums`` fp16 (out / 16, in / 32, 16)):
+    ``code * scale + minimum``."""
+    grouped = q4_1_codes(codes).float().unflatten(1, (-1, 32))  # (out, in / 32, 32)
+    weights = grouped * _per_output(scales)[..., None] + _per_output(minimums)[..., None]
+    return weights.flatten(1).t()
+
+
+def q4_1_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """``x`` (rows, in) fp32 times the Q4_1 weights, ``x`` quantised by :func:`quantize_rows`: (rows, out)
+    fp32. Per output and group: scale * row scale * the integer sum of code products + minimum * the
+    sum of the group's fp32 inputs, summed in fp32."""
+    weight_codes = q4_1_codes(codes).unflatten(1, (-1, 32)).double()  # (out, in / 32, 32)
+    input_codes, input_scales = quantize_rows(x)
+    dots = torch.einsum("ogk,rgk->rog", weight_codes, input_codes.double()).float()  # exact integers
+    sums = x.float().unflatten(-1, (-1, 32)).sum(-1)  # (rows, in / 32)
+    scaled = _per_output(scales)[None] * input_scales[:, None, :] * dots
+    return (scaled + _per_output(minimums)[None] * sums[:, None, :]).sum(-1)
 
 
 def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -69,5 +82,4 @@ def q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     weight_codes = (codes.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(16 * blocks, groups, 32)
     input_codes, input_scales = quantize_rows(x)
     dots = torch.einsum("ogk,rgk->rog", weight_codes.double(), input_codes.double()).float()  # exact integers
-    weight_scales = scales.float().permute(0, 2, 1).reshape(16 * blocks, groups)
-    return (weight_scales[None] * input_scales[:, None, :] * dots).sum(-1)
+    return (_per_output(scales)[None] * input_scales[:, None, :] * dots).sum(-1)

@@ -190,63 +190,42 @@ def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor,
     return codes.reshape(rows, columns).to(torch.int32), scale.squeeze(-1), low.squeeze(-1)
 
 
-def _packing_block(packed: torch.Tensor, codes: torch.Tensor) -> int:
-    """Outputs per block of torch's int4 packing of ``codes`` (out, in), as found in ``packed``; 0 if its
-    layout is not the known one (torch's own, undocumented: checked on every layer before it is relied on)."""
-    out_features = codes.shape[0]
-    if packed.dtype != torch.uint8 or packed.numel() * 2 != codes.numel():
-        return 0
-    for block in (16, 32, 64, 128):
-        if out_features % block == 0:
-            unpacked = int4_weights_ref.unpack_codes(packed, out_features, block)
-            if bool(torch.equal(unpacked.t().to(codes.dtype), codes)):
-                return block
-    return 0
-
-
-def _row_kernel(block: int) -> bool:
-    """Whether one row is multiplied by the C++ kernel (``kernels/int4_weights_cpu.cpp``): built here, and
-    the packing in blocks of 32 or 64 outputs (torch's on AVX2 and AVX-512 x86 CPUs). It is 2x faster than torch's int4 kernel for one
-    row on this project's AVX2 CPU (2 threads: 8.9 -> 4.2 ms a token for the default model's layers, 4.1 ->
-    2.0 ms for its Q8_0 head), and takes the row in fp32 where torch's rounds it to bf16."""
-    return cpu_ops.available() and block in (32, 64)
-
-
 class Int4Linear(_WeightOnlyLinear):
-    """4-bit codes in groups of :data:`GROUP` inputs, each group with a scale and a minimum (GGUF's Q4_1)."""
+    """4-bit codes in groups of :data:`GROUP` inputs, each group with a scale and a minimum (GGUF's Q4_1).
 
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    The scales and minimums are kept in fp16, as the GGUF keeps them, so the default model's weights
+    (dequantised from its Q4_1 file) decode exactly. Few rows (decoding, a question) go through the
+    C++ product (``q4_1_product`` in ``kernels/int4_weights_cpu.cpp``), llama.cpp's arithmetic: each
+    row quantised to Q8_0 and the code products summed as integers (AVX-512 VNNI, 128 weights an
+    instruction pair), each block of codes loaded once for all rows. That changes the arithmetic (the
+    rows lose their int8 rounding; the speed benchmark reports the answers' KL). Many rows (reading)
+    multiply in fp32 by the decoded weights, the model's own. Without the C++ kernels every product
+    decodes (exact, and slower).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        codes, scale, low = group_codes(linear.weight.detach())
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
-        # the kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; (in / group, out, 2)
-        zeros = low + 8 * scale
-        scales_and_zeros = torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
-        self.group = GROUP
-        # outputs per block of torch's packing, as found in it (not found: many rows use the kernel too)
-        self.block = _packing_block(self.packed, codes)
-        cpu_ops.define()  # the operators decoded() and row_product() call (C++ once built, else the torch twins)
-        if self.block:
-            self.many_rows = MANY_ROWS
-        self.one_row = _row_kernel(self.block)
+        codes, scale, low = group_codes(linear.weight.detach())  # (out, in), (out, in / GROUP) twice
+        self.register_buffer("codes", int4_weights_ref.q4_1_layout(codes))  # (out / 16, in / 8, 16, 4)
+        for name, values in (("scales", scale), ("minimums", low)):  # (out / 16, in / GROUP, 16) fp16
+            self.register_buffer(name, values.half().view(-1, 16, values.shape[1]).transpose(1, 2).contiguous())
+        kernels = cpu_ops.available()  # builds the C++ kernels (once)
+        self.compute_dtype = torch.float32  # rows are quantised from fp32, not from bf16
+        self.many_rows = MANY_ROWS if kernels else 1
+        self.one_row = kernels
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+        return torch.ops.semanticache.q4_1_product(x.contiguous(), self.codes, self.scales, self.minimums)
 
     def decoded(self) -> torch.Tensor:
-        unpacked = torch.ops.semanticache.unpack_int4_weight(
-            self.packed, self.scales_and_zeros, self.out_features, self.block
-        )  # (in, out), which the product multiplies by as it is
-        return unpacked.t()
+        return torch.ops.semanticache.unpack_q4_1(self.codes, self.scales, self.minimums).t()
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.semanticache.int4_row_product(
-            x, self.packed, self.scales_and_zeros, self.out_features, self.block
-        )
+        return torch.ops.semanticache.q4_1_product(x[None], self.codes, self.scales, self.minimums)[0]
 
 
 class GroupedInt8Linear(_WeightOnlyLinear):

@@ -221,44 +221,45 @@ def test_the_benchmark_refuses_what_the_kernel_cannot_time(monkeypatch, capsys):
     assert "did not build" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(
-    "out_features, in_features, group, block", [(64, 96, 32, 32), (48, 64, 16, 16), (128, 32, 32, 64)]
-)
-def test_int4_weights_decode_as_the_twin_bit_for_bit(kernel, out_features, in_features, group, block):
-    """Any packed bytes, any bf16 scales and zeros: (code - 8) * scale + zero, one rounding, as the twin."""
-    g = torch.Generator().manual_seed(block)
-    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
-    scales_and_zeros = torch.randn(in_features // group, out_features, 2, generator=g).bfloat16()
-    got = cpu_ops.op("unpack_int4_weight")(packed, scales_and_zeros, out_features, block)
-    want = int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, block)
+def _q4_1(out_features: int, in_features: int, seed: int):
+    """Random Q4_1 codes in their layout (both ends of the range), fp16 scales and minimums."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
+    codes[0, :2] = torch.tensor([0, 15])
+    scales = (torch.rand(out_features // 16, in_features // 32, 16, generator=g) / 10).half()
+    minimums = (torch.randn(out_features // 16, in_features // 32, 16, generator=g) / 10).half()
+    return codes, int4_weights_ref.q4_1_layout(codes), scales, minimums
+
+
+@pytest.mark.parametrize("out_features, in_features", [(64, 96), (16, 32), (48, 1536)])
+def test_q4_1_weights_decode_as_the_twin_bit_for_bit(kernel, out_features, in_features):
+    """code * scale + minimum, one rounding; the layout gives the codes back."""
+    codes, layout, scales, minimums = _q4_1(out_features, in_features, seed=in_features)
+    assert torch.equal(int4_weights_ref.q4_1_codes(layout), codes.to(torch.uint8))
+    got = cpu_ops.op("unpack_q4_1")(layout, scales, minimums)
+    want = int4_weights_ref.unpack_q4_1(layout, scales, minimums)
     assert got.shape == (in_features, out_features) and torch.equal(got, want)
+    weight = codes.float() * scales.float().transpose(1, 2).reshape(out_features, -1).repeat_interleave(32, 1)
+    weight += minimums.float().transpose(1, 2).reshape(out_features, -1).repeat_interleave(32, 1)
+    assert torch.equal(got.t(), weight)
 
 
-def test_int4_weights_of_torchs_own_packing_are_the_codes_it_was_given(kernel):
-    codes = torch.randint(0, 16, (64, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    ones_and_eights = torch.tensor([1.0, 8.0]).bfloat16().expand(4, 64, 2).contiguous()  # weight = code
-    blocks = [b for b in (16, 32, 64) if torch.equal(int4_weights_ref.unpack_codes(packed, 64, b).t().int(), codes)]
-    assert len(blocks) == 1, "torch's int4 packing changed layout: Int4Linear keeps its kernel for many rows"
-    got = cpu_ops.op("unpack_int4_weight")(packed, ones_and_eights, 64, blocks[0])
-    assert torch.equal(got.t(), codes.float())
-
-
-@pytest.mark.parametrize(
-    "out_features, in_features, group, block",
-    [(64, 96, 32, 32), (32, 64, 16, 32), (96, 1152, 32, 32), (32, 33 * 2, 33, 32), (128, 96, 32, 64), (64, 66, 33, 64)],
-)
-def test_int4_row_product_is_the_decoded_weights_product(kernel, out_features, in_features, group, block):
-    """One fp32 row times the decoded weights, in blocks of 32 outputs (torch's packing on AVX2) or 64
-    (on AVX-512), odd groups too (the code loop's odd tail), to fp32 rounding."""
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 96), (3, 16, 64), (5, 256, 1152)])
+def test_q4_1_product_is_its_twins_integer_sums(kernel, rows, out_features, in_features):
+    """Rows quantised to Q8_0 (a zero group, ties), integer sums scaled: the twin to fp32 rounding, and
+    within what quantising the rows costs of the decoded weights' product."""
+    _, layout, scales, minimums = _q4_1(out_features, in_features, seed=rows)
     g = torch.Generator().manual_seed(in_features)
-    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
-    scales_and_zeros = torch.randn(in_features // group, out_features, 2, generator=g).bfloat16()
-    x = torch.randn(in_features, generator=g)
-    got = cpu_ops.op("int4_row_product")(x, packed, scales_and_zeros, out_features, block)
-    want = x.double() @ int4_weights_ref.unpack_int4_weight(packed, scales_and_zeros, out_features, block).double()
-    assert got.shape == (out_features,) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    x = torch.randn(rows, in_features, generator=g)
+    x[0, :32] = 0
+    x[-1, 32:64] = torch.arange(32) / 2 - 8
+    got = cpu_ops.op("q4_1_product")(x, layout, scales, minimums)
+    want = int4_weights_ref.q4_1_product(x, layout, scales, minimums)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    exact = x @ int4_weights_ref.unpack_q4_1(layout, scales, minimums)
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+    torch.testing.assert_close(got[-1:], cpu_ops.op("q4_1_product")(x[-1:], layout, scales, minimums), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("out_features, in_features", [(64, 96), (17, 33), (48, 1536)])
@@ -312,28 +313,20 @@ def test_q8_0_product_refuses_bad_inputs(kernel):
             cpu_ops.op("q8_0_product")(*args)
 
 
-def test_int4_row_product_refuses_bad_inputs(kernel):
-    packed, pairs, x = torch.zeros(64, 48, dtype=torch.uint8), torch.zeros(3, 64, 2).bfloat16(), torch.zeros(96)
+def test_q4_1_kernels_refuse_bad_inputs(kernel):
+    layout, halves, x = torch.zeros(4, 12, 16, 4, dtype=torch.uint8), torch.zeros(4, 3, 16).half(), torch.zeros(2, 96)
     for args, message in [
-        ((x, packed, pairs, 64, 16), "blocks of 32 or 64"),
-        ((x[:95], packed, pairs, 64, 32), "row of 96"),
-        ((x.double(), packed, pairs, 64, 32), "float32"),
-        ((x, packed, pairs.float(), 64, 32), "bf16"),
+        ((x, layout.int(), halves, halves), "uint8"),
+        ((x, torch.zeros(4, 11, 16, 4, dtype=torch.uint8), halves, halves), "multiple of 32"),
+        ((x, layout, halves.float(), halves), "fp16"),
+        ((x, layout, halves, halves[:, :2]), "in / 32"),
+        ((x[:, :64], layout, halves, halves), "rows of 96"),
+        ((x.double(), layout, halves, halves), "float32"),
     ]:
         with pytest.raises(RuntimeError, match=message):
-            cpu_ops.op("int4_row_product")(*args)
-
-
-def test_int4_weights_refuse_bad_inputs(kernel):
-    packed, pairs = torch.zeros(64, 48, dtype=torch.uint8), torch.zeros(3, 64, 2).bfloat16()
-    for args, message in [
-        ((packed.int(), pairs, 64, 32), "uint8"),
-        ((packed, pairs, 64, 48), "multiple of an even block"),
-        ((packed, pairs.float(), 64, 32), "bf16"),
-        ((packed, torch.zeros(5, 64, 2).bfloat16(), 64, 32), "multiple of the groups"),
-    ]:
-        with pytest.raises(RuntimeError, match=message):
-            cpu_ops.op("unpack_int4_weight")(*args)
+            cpu_ops.op("q4_1_product")(*args)
+    with pytest.raises(RuntimeError, match="fp16"):
+        cpu_ops.op("unpack_q4_1")(layout, halves.bfloat16(), halves)
 
 
 def clustering_inputs(heads, chunks, width, thresholds, seed):
