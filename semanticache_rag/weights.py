@@ -21,26 +21,26 @@ attention stay in the model's dtype, only the weight products change:
     the input embedding is int8 too for decoding, while reading's surprisal multiplies by the
     embedding table (as with fp16 and int4).
 ``"int4"``
-    4-bit codes in groups of 32 along the input, each group with a scale and a minimum: the layout
-    of GGUF's Q4_1, which is how the default model ships, so the int4 codes are the GGUF's own
-    (:func:`group_codes` finds them again in the dequantised weights) and only the scales are
-    rounded to bf16 (``torch._weight_int4pack_mm_for_cpu``). A head tied to the input embedding
-    becomes int8 in groups of 32 with a scale each, GGUF's Q8_0 (the default model's head ships so:
-    :class:`GroupedInt8Linear` finds the file's codes exactly), for decoding, while
-    reading's surprisal multiplies by the embedding table; an untied head stays bf16 (as int8 per
-    row it tripled the KL to the fp32 model's next-token distributions).
+    4-bit codes in groups of 32 along the input, each group with an fp16 scale and minimum: GGUF's
+    Q4_1, which is how the default model ships, so the codes, scales and minimums are the GGUF's own
+    (:func:`group_codes` finds them again in the dequantised weights, which decode exactly). A head
+    tied to the input embedding becomes int8 in groups of 32 with a scale each, GGUF's Q8_0 (the
+    default model's head ships so: :class:`GroupedInt8Linear` finds the file's codes exactly), for
+    decoding, while reading's surprisal multiplies by the embedding table; an untied head stays bf16
+    (as int8 per row it tripled the KL to the fp32 model's next-token distributions).
 
-Which product runs depends on the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``, built on
-first use, where stated):
+Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,
+built on first use):
 
-- one row (a decoding step), int8/int4 layers and heads: the fp32 row times the codes in fp32, in
-  C++ (int4: 2x torch's int4 kernel on an AVX2 CPU, which also rounds the row to bf16);
-- up to :data:`MANY_ROWS` rows (a question's prompt): torch's int8/int4 CPU kernels on bf16 inputs
-  (their fast path; fp32 inputs are 10-20× slower there);
-- :data:`MANY_ROWS` rows or more (reading a document): those kernels take 2.2-2.5x the time of an fp32
-  product there, so the layer's weights are decoded to fp32 once per call (exactly the values the
-  kernel multiplies by; int4 in C++) and multiply the fp32 inputs (512 rows of the default model's
-  layers, 2 threads: 1.1-1.3x an fp32 product's time).
+- int4 layers and the Q8_0 head, fewer than :data:`MANY_ROWS` rows (decoding, a question's prompt):
+  llama.cpp's arithmetic, each row quantised to Q8_0 and the code products summed as integers
+  (AVX-512 VNNI where the CPU has it), each block of codes read once for all the rows;
+- int8 layers and heads, one row: the fp32 row times the codes in fp32, in C++; up to
+  :data:`MANY_ROWS` rows: torch's int8 CPU kernel on bf16 inputs (its fast path);
+- int8/int4 layers, :data:`MANY_ROWS` rows or more (reading a document): the layer's weights are
+  decoded to fp32 once per call (exactly the values the few-row products multiply by, in C++ for
+  int4) and multiply the fp32 inputs (512 rows of the default model's layers, 2 threads: 1.1-1.3x
+  an fp32 product's time, where torch's int8/int4 kernels took 2.2-2.5x).
 
 Answers change slightly: ``benchmarks/speed.py`` reports the KL divergence of each format's
 next-token distributions to the fp32 model's.
@@ -56,7 +56,7 @@ from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 
 WEIGHTS = ("model", "fp16", "bf16", "int8", "int4")
-GROUP = 32  # GGUF's Q4_1 block; torch's int4 CPU kernel takes 32, 64, 128 or 256
+GROUP = 32  # GGUF's Q4_1 and Q8_0 block
 COMPUTE_DTYPE = torch.bfloat16
 #: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
 #: (measured, 2 threads: the codes' kernels win up to 32 rows, the decoded weights from 64 on, by 1.8-2x at 512)
@@ -270,7 +270,7 @@ _HEAD_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4
 
 def _fits(weights: str, linear: nn.Linear) -> bool:
     """Whether ``linear`` can take the ``weights`` format: int4 and Q8_0 work in groups of :data:`GROUP`
-    inputs, and torch's int4 kernel packs outputs 16 at a time."""
+    inputs and blocks of 16 outputs."""
     return weights != "int4" or (linear.in_features % GROUP == 0 and linear.out_features % 16 == 0)
 
 
@@ -284,7 +284,7 @@ def convert_weights(model: Any, weights: str) -> Any:
     """Swap ``model``'s linear layers for ``weights``-format ones, in place; return the model.
 
     ``"model"`` leaves it as it is. The input embedding keeps its dtype (a lookup reads one row per
-    token), and so does any linear layer the int4 kernel cannot take (an input size that is not a
+    token), and so does any linear layer the int4 layout cannot take (an input size that is not a
     multiple of the group, an output size that is not a multiple of 16).
     The format is recorded as ``model.semanticache_weights`` (part of a stored cache's key). A
     Llama model also gets fused query/key/value and gate/up products and a lean forward pass for
