@@ -52,7 +52,10 @@ SCHEMAS = {
         "Tensor new_keys, Tensor new_values) -> Tensor",
         decode_attention_ref.decode_attention,
     ),
-    "unpack_q4_1": ("unpack_q4_1(Tensor codes, Tensor scales, Tensor minimums) -> Tensor", int4_weights_ref.unpack_q4_1),
+    "unpack_q4_1": (
+        "unpack_q4_1(Tensor codes, Tensor scales, Tensor minimums) -> Tensor",
+        int4_weights_ref.unpack_q4_1,
+    ),
     "q4_1_product": (
         "q4_1_product(Tensor x, Tensor codes, Tensor scales, Tensor minimums) -> Tensor",
         int4_weights_ref.q4_1_product,

@@ -247,7 +247,9 @@ class GroupedInt8Linear(_WeightOnlyLinear):
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         if linear.out_features % 16 or linear.in_features % GROUP:
-            raise ValueError(f"a Q8_0 layer takes outputs in 16s and inputs in {GROUP}s, got {tuple(linear.weight.shape)}")
+            raise ValueError(
+                f"a Q8_0 layer takes outputs in 16s and inputs in {GROUP}s, got {tuple(linear.weight.shape)}"
+            )
         codes, scales = _int8_codes(linear.weight, GROUP)  # (out, in / GROUP, GROUP), (out, in / GROUP)
         shifted = (codes.to(torch.int16) + 128).to(torch.uint8).view(-1, 16, self.in_features // 4, 4)
         self.register_buffer("codes", shifted.transpose(1, 2).contiguous())  # (out / 16, in / 4, 16, 4)

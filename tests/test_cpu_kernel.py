@@ -300,7 +300,11 @@ def test_q8_0_product_is_its_twins_integer_sums(kernel, rows, out_features, in_f
 
 
 def test_q8_0_product_refuses_bad_inputs(kernel):
-    codes, scales, x = torch.zeros(4, 24, 16, 4, dtype=torch.uint8), torch.zeros(4, 3, 16).bfloat16(), torch.zeros(1, 96)
+    codes, scales, x = (
+        torch.zeros(4, 24, 16, 4, dtype=torch.uint8),
+        torch.zeros(4, 3, 16).bfloat16(),
+        torch.zeros(1, 96),
+    )
     for args, message in [
         ((x, codes.int(), scales), "uint8"),
         ((x, torch.zeros(4, 23, 16, 4, dtype=torch.uint8), scales), "multiple of 32"),

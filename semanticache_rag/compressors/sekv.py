@@ -670,6 +670,7 @@ class SeKVCompressor(Compressor):
                     parts[name] = (None, x[:, :, rows[valid]])
                     continue
                 left, right = _factor(x[:, :, rows] * valid[None, None, :, :, None], self.rank, x.dtype)
+                assert left is not None  # spans wider than the rank are factored
                 # keep only real tokens of the per-token factor (the padding rows are zeros)
                 parts[name] = (left[:, :, valid], right)
             widths.append(width)
