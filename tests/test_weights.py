@@ -91,18 +91,23 @@ def test_many_rows_multiply_by_the_decoded_weights_in_fp32():
     torch.testing.assert_close(few, bf16_inputs[: weights.MANY_ROWS - 1].to(few.dtype), rtol=0, atol=1e-6)
 
 
+def _kernel_layer(kind, seed: int):
+    """A 96 -> 64 layer with a bias and Q4_1-exact weights, and ``kind`` of it (skips without the C++ kernels)."""
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    linear = torch.nn.Linear(96, 64, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_weights(64, 96, seed=seed))
+    return linear, kind(linear)
+
+
 def test_int4_decodes_the_q4_1_weights_exactly_and_multiplies_few_rows_as_llama_cpp():
     """Many rows (reading): the fp32 product by the decoded weights, which are the Q4_1 weights exactly
     (fp16 scales and minimums, as the GGUF's). Fewer rows, one included: the rows quantised to Q8_0 and
     integer sums (the C++ kernel, its twin's result to fp32 rounding), within 1% of the exact product."""
     from semanticache_rag import weights
 
-    if not cpu_ops.available():
-        pytest.skip("the CPU kernels could not be built here")
-    linear = torch.nn.Linear(96, 64, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(_q4_weights(64, 96, seed=2))
-    layer = Int4Linear(linear)
+    linear, layer = _kernel_layer(Int4Linear, seed=2)
     assert layer.many_rows == weights.MANY_ROWS and layer.one_row
     decoded = layer.decoded()
     codes, scale, low = group_codes(linear.weight.detach())  # code * scale + minimum, those two in fp16
@@ -134,12 +139,7 @@ def test_one_row_is_multiplied_by_the_cpu_kernel(kind):
     """Decoding's one row goes through kernels/int4_weights_cpu.cpp: int8 rows in fp32 (the decoded
     weights' product to fp32 rounding); Q4_1 and Q8_0 as their few-row product (the row quantised to
     Q8_0), within 2% of the full-precision product."""
-    if not cpu_ops.available():
-        pytest.skip("the CPU kernels could not be built here")
-    linear = torch.nn.Linear(96, 64, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(_q4_weights(64, 96, seed=3))
-    layer = kind(linear)
+    linear, layer = _kernel_layer(kind, seed=3)
     assert layer.one_row
     x = torch.randn(1, 96)
     got = layer.rows(x)
