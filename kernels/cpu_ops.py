@@ -4,7 +4,8 @@ Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`)
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
 ``unpack_q4_1``, ``q4_1_product``, ``q8_0_product`` and ``int8_row_product``
 (``int4_weights_cpu.cpp``) those of
-:mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`. Their schemas are defined here, in
+:mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm``
+(``rms_norm_cpu.cpp``) that of :mod:`.rms_norm_ref`. Their schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
 with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
@@ -27,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-from semanticache_rag.kernels import decode_attention_ref, gsc_ref, int4_weights_ref
+from semanticache_rag.kernels import decode_attention_ref, gsc_ref, int4_weights_ref, rms_norm_ref
 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("decode_attention_cpu.cpp", "int4_weights_cpu.cpp", "gsc_cpu.cpp")
+    Path(__file__).with_name(name)
+    for name in ("decode_attention_cpu.cpp", "int4_weights_cpu.cpp", "gsc_cpu.cpp", "rms_norm_cpu.cpp")
 )
 # -march=native: the library is built on, and for, the machine that runs it (its CPU is in the key).
 # No -ffast-math: the kernel's exp rounds with an add-and-subtract that reassociation would fold away,
@@ -65,6 +67,7 @@ SCHEMAS = {
         int4_weights_ref.int8_row_product,
     ),
     "q8_0_product": ("q8_0_product(Tensor x, Tensor codes, Tensor scales) -> Tensor", int4_weights_ref.q8_0_product),
+    "rms_norm": ("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_ref.rms_norm),
     "greedy_seeds": (
         "greedy_seeds(Tensor similarity, Tensor chunk_lengths, Tensor free, Tensor tau) -> (Tensor, Tensor)",
         gsc_ref.greedy_seeds,

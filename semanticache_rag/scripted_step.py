@@ -116,7 +116,7 @@ class ScriptedLayer(nn.Module):
         kinds say (:func:`step_inputs`), its ``bias`` (``log s``) is (H_kv, L)."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kv_heads * dim
-        qkv = self.qkv.rows(F.rms_norm(x, [x.shape[-1]], self.norm1, self.eps1))
+        qkv = self.qkv.rows(torch.ops.semanticache.rms_norm(x, self.norm1, self.eps1))
         qk = qkv[:, : q_size + kv_size].view(heads + kv_heads, dim)
         qk = torch.addcmul(qk * cos, qk.index_select(1, swap), sin)
         query = qk[:heads].view(kv_heads, heads // kv_heads, dim) * self.scaling
@@ -147,7 +147,7 @@ class ScriptedLayer(nn.Module):
     def _rest(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The layer after attention: output projection, residual, MLP, residual."""
         x = x + self.o.rows(out.view(1, self.heads * self.dim))
-        gate, up = self.gate_up.rows(F.rms_norm(x, [x.shape[-1]], self.norm2, self.eps2)).chunk(2, dim=-1)
+        gate, up = self.gate_up.rows(torch.ops.semanticache.rms_norm(x, self.norm2, self.eps2)).chunk(2, dim=-1)
         return x + self.down.rows(F.silu(gate) * up)
 
 
@@ -189,6 +189,9 @@ def script(model: Any, heads: int, kv_heads: int, dim: int, kernel: bool) -> tor
     ``kernel``, or ``None`` where TorchScript cannot take them."""
     import warnings
 
+    from semanticache_rag.kernels import cpu_ops
+
+    cpu_ops.define()  # the operators the step calls (rms_norm always, decode_attention where ``kernel``)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript's deprecation notice: the Python step stays as the fallback

@@ -317,6 +317,24 @@ def test_q8_0_product_refuses_bad_inputs(kernel):
             cpu_ops.op("q8_0_product")(*args)
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (3, 2, 96), (130, 64)])
+def test_rms_norm_is_torchs_to_fp32_rounding(kernel, shape):
+    """One row (decoding) or many (split across threads), any scale; bf16 rows go to torch's own."""
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g) * 5
+    weight = torch.randn(shape[-1], generator=g)
+    got = cpu_ops.op("rms_norm")(x, weight, 1e-6)
+    want = torch.nn.functional.rms_norm(x, shape[-1:], weight, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    half = x.bfloat16()
+    assert torch.equal(
+        cpu_ops.op("rms_norm")(half, weight.bfloat16(), 1e-6),
+        torch.nn.functional.rms_norm(half, shape[-1:], weight.bfloat16(), 1e-6),
+    )
+    with pytest.raises(RuntimeError, match="one value per feature"):
+        cpu_ops.op("rms_norm")(x, weight[:-1], 1e-6)
+
+
 def test_q4_1_kernels_refuse_bad_inputs(kernel):
     layout, halves, x = torch.zeros(4, 12, 16, 4, dtype=torch.uint8), torch.zeros(4, 3, 16).half(), torch.zeros(2, 96)
     for args, message in [
