@@ -199,13 +199,14 @@ class Int4Linear(_WeightOnlyLinear):
     row quantised to Q8_0 and the code products summed as integers (AVX-512 VNNI, 128 weights an
     instruction pair), each block of codes loaded once for all rows. That changes the arithmetic (the
     rows lose their int8 rounding; the speed benchmark reports the answers' KL). Many rows (reading)
-    multiply in fp32 by the decoded weights, the model's own. Without the C++ kernels every product
-    decodes (exact, and slower).
+    multiply in fp32 by the decoded weights, the model's own. Without the C++ kernels the layer keeps
+    its decoded weights and every product is fp32's (exact; fp32's memory and speed, not int4's).
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     minimums: torch.Tensor
+    dense: torch.Tensor
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
@@ -217,11 +218,17 @@ class Int4Linear(_WeightOnlyLinear):
         self.compute_dtype = torch.float32  # rows are quantised from fp32, not from bf16
         self.many_rows = MANY_ROWS if kernels else 1
         self.one_row = kernels
+        # without the kernels, the decoded weights are kept (fp32's memory and speed: the torch twin of the
+        # product would decode them at every step, ~0.7 s a token for the default model)
+        dense = torch.empty(0) if kernels else int4_weights_ref.unpack_q4_1(self.codes, self.scales, self.minimums).t()
+        self.register_buffer("dense", dense.contiguous(), persistent=False)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.semanticache.q4_1_product(x.contiguous(), self.codes, self.scales, self.minimums)
 
     def decoded(self) -> torch.Tensor:
+        if self.dense.numel() > 0:
+            return self.dense
         return torch.ops.semanticache.unpack_q4_1(self.codes, self.scales, self.minimums).t()
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,13 +319,14 @@ def convert_weights(model: Any, weights: str) -> Any:
     from semanticache_rag import fused
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_kind = _HEAD_KINDS[weights]
-    if weights in ("fp16", "int8", "int4") and head is not None and _tied_head(model, head) and _fits(weights, head):
+    head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
+    tied = head is not None and _tied_head(model, head)
+    if weights == "int4" and tied and not cpu_ops.available():
+        head_kind = None  # Q8_0's product is C++: without it the head stays the tied embedding table, as loaded
+    elif weights in ("fp16", "int8", "int4") and tied and head is not None and _fits(weights, head):
         # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes);
         # reading, which needs the logits of many positions (surprisal), multiplies by the tied embedding table
-        # (Q8_0 where the C++ kernels are built: without them its product decodes the whole table each step)
-        q8_0 = GroupedInt8Linear if cpu_ops.available() else BF16Linear
-        head_kind = {"fp16": FP16Linear, "int8": Int8Linear, "int4": q8_0}[weights]
+        head_kind = {"fp16": FP16Linear, "int8": Int8Linear, "int4": GroupedInt8Linear}[weights]
         model.semanticache_reading_head = model.get_input_embeddings()
     decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
     if decoder and all(_fits(weights, linear) for linear in decoder):
@@ -326,9 +334,9 @@ def convert_weights(model: Any, weights: str) -> Any:
         model.semanticache_forward = fused.FusedLlama(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or not _fits(weights, child):
+            if not isinstance(child, nn.Linear) or not _fits(weights, child) or (child is head and head_kind is None):
                 continue
-            converted = (head_kind if child is head else _LAYER_KINDS[weights])(child)
+            converted = (head_kind if child is head and head_kind is not None else _LAYER_KINDS[weights])(child)
             if child is head:  # an untied head reads 64 positions at a time: never decode its vocabulary for them
                 converted.many_rows = _NEVER
             setattr(parent, name, converted)

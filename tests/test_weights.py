@@ -129,6 +129,8 @@ def test_int4_without_the_cpu_kernels_multiplies_every_row_count_by_the_decoded_
     linear = torch.nn.Linear(96, 64, bias=False)
     layer = Int4Linear(linear)
     assert layer.many_rows == 1 and not layer.one_row
+    assert layer.decoded() is layer.dense and layer.dense.shape == (64, 96)  # decoded once, not at every product
+    assert "dense" not in layer.state_dict()
     x = torch.randn(3, 96)
     torch.testing.assert_close(layer.rows(x[:1]), x[:1] @ layer.decoded().T, rtol=0, atol=0)
     torch.testing.assert_close(layer.rows(x), x @ layer.decoded().T, rtol=0, atol=0)
