@@ -289,11 +289,8 @@ inline void q8_group_dots(const uint8_t* quads, const int8_t* xq, int32_t xq_sum
   // unsigned codes + 128 times signed x codes, 4 per lane; minus 128 * sum of x codes
   __m512i even = _mm512_setzero_si512(), odd = even;
   for (int64_t q = 0; q < GROUP / 4; q += 2) {
-    int32_t x0, x1;
-    std::memcpy(&x0, xq + 4 * q, 4);
-    std::memcpy(&x1, xq + 4 * q + 4, 4);
-    even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(quads + 64 * q), _mm512_set1_epi32(x0));
-    odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(quads + 64 * q + 64), _mm512_set1_epi32(x1));
+    even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(quads + 64 * q), _mm512_set1_epi32(word_at(xq + 4 * q)));
+    odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(quads + 64 * q + 64), _mm512_set1_epi32(word_at(xq + 4 * q + 4)));
   }
   const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(128 * xq_sum));
   _mm512_storeu_si512(dots, sums);
@@ -303,9 +300,7 @@ inline void q8_group_dots(const uint8_t* quads, const int8_t* xq, int32_t xq_sum
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256i low = _mm256_setzero_si256(), high = low;  // outputs 0..7, 8..15
   for (int64_t q = 0; q < GROUP / 4; ++q) {
-    int32_t word;
-    std::memcpy(&word, xq + 4 * q, 4);
-    const __m256i x = _mm256_set1_epi32(word), magnitude = _mm256_abs_epi8(x);
+    const __m256i x = _mm256_set1_epi32(word_at(xq + 4 * q)), magnitude = _mm256_abs_epi8(x);
     for (int64_t h = 0; h < 2; ++h) {
       const __m256i codes =
           _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + 64 * q + 32 * h)), flip);

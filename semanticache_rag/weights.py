@@ -59,7 +59,9 @@ WEIGHTS = ("model", "fp16", "bf16", "int8", "int4")
 GROUP = 32  # GGUF's Q4_1 and Q8_0 block
 COMPUTE_DTYPE = torch.bfloat16
 #: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
-#: (measured, 2 threads: the codes' kernels win up to 32 rows, the decoded weights from 64 on, by 1.8-2x at 512)
+#: (measured, 2 threads, with torch's int8/int4 kernels: those won up to 32 rows, the decoded weights from 64
+#: on, by 1.8-2x at 512). The int4 codes' product of kernels/int4_weights_cpu.cpp still wins at 128 rows
+#: (576 x 3072: 3.65 vs 4.65 ms); 64 keeps reading, whose chunks are longer, on the model's exact weights.
 MANY_ROWS = 64
 _NEVER = 2**62  # a ``many_rows`` no product reaches
 
@@ -241,9 +243,10 @@ class GroupedInt8Linear(_WeightOnlyLinear):
     The product is llama.cpp's: each input row is quantised to Q8_0 too (per group of 32, scale =
     largest magnitude / 127), so every group's sum is of integers, which AVX-512 VNNI takes 64 code
     bytes at a time (``q8_0_product`` in ``kernels/int4_weights_cpu.cpp``; AVX2 in two steps). That
-    changes the arithmetic (the inputs lose what their int8 rounding loses: the default model's
-    decoding head, 4.0 -> 0.9 ms a token on an AVX-512 CPU; the speed benchmark reports the answers'
-    KL). The codes are exact; the scales are rounded to bf16 (as in :class:`Int4Linear`). For the
+    changes the arithmetic (the inputs lose what their int8 rounding loses; the speed benchmark reports
+    the answers' KL): the default model's decoding head took 1.8-2.1 ms a token on a 2-core AVX-512 CPU,
+    against 3.1-3.8 through torch's int4 kernel on two 4-bit planes of each code. The codes are exact;
+    the scales are rounded to bf16. For the
     default model's output head, a Q8_0 table in the GGUF, the codes found (:func:`_int8_codes`) are
     the file's own. Rows go one at a time (the layer is a decoding head: one row a step).
     """

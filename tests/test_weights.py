@@ -202,6 +202,13 @@ def test_q8_0_head_finds_its_codes_again_and_multiplies_by_them():
     assert (head(x) - x @ weight.T).abs().max() <= 0.01 * (x @ weight.T).abs().max()  # what quantising x costs
 
 
+def test_q8_0_refuses_a_layer_its_layout_cannot_take():
+    with pytest.raises(ValueError, match="outputs in 16s and inputs in 32s"):
+        GroupedInt8Linear(torch.nn.Linear(96, 40, bias=False))
+    with pytest.raises(ValueError, match="got \\(48, 40\\)"):
+        GroupedInt8Linear(torch.nn.Linear(40, 48, bias=False))
+
+
 def test_int4_leaves_layers_its_kernel_cannot_take_as_they_are(tiny_llama):
     model = copy.deepcopy(tiny_llama)
     hidden = model.config.hidden_size
