@@ -5,13 +5,17 @@ its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod
 ``unpack_q4_1``, ``q4_1_product``, ``q8_0_product`` and ``int8_row_product``
 (``int4_weights_cpu.cpp``) those of
 :mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm``
-(``rms_norm_cpu.cpp``) that of :mod:`.rms_norm_ref`. Their schemas are defined here, in
+(``rms_norm_cpu.cpp``) that of :mod:`.rms_norm_ref`. The operators' schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
 with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
 source version: the library is kept under :func:`~semanticache_rag.models.home_dir` ``/kernels``) and
 loads it, which registers the C++ kernels for CPU tensors. Where that fails (no C++ compiler, no
 ninja), the torch twins run and a warning says why, once.
+
+``decoder_step_cpu.cpp`` adds two classes, ``torch.classes.semanticache.Int4Layers`` and
+``StepDocument``: an int4 model's decoding step in one call (:mod:`semanticache_rag.fused`). They are C++
+only, with no twin: without the library the scripted step runs instead.
 
 Set ``SEMANTICACHE_CPU_KERNEL=0`` to keep the torch twins.
 """
@@ -34,8 +38,15 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("decode_attention_cpu.cpp", "int4_weights_cpu.cpp", "gsc_cpu.cpp", "rms_norm_cpu.cpp")
+    for name in (
+        "decode_attention_cpu.cpp",
+        "int4_weights_cpu.cpp",
+        "gsc_cpu.cpp",
+        "rms_norm_cpu.cpp",
+        "decoder_step_cpu.cpp",
+    )
 )
+HEADERS = (Path(__file__).with_name("cpu_ops.h"),)  # declarations the sources share (part of the library's key)
 # -march=native: the library is built on, and for, the machine that runs it (its CPU is in the key).
 # No -ffast-math: the kernel's exp rounds with an add-and-subtract that reassociation would fold away,
 # and padding is masked with -inf; its sums are vectorised by hand.
@@ -99,7 +110,7 @@ def _cpu_identity() -> str:
 
 
 def _library_name() -> str:
-    sources = [source.read_text() for source in SOURCES]
+    sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = "\n".join([*sources, " ".join(FLAGS), torch.__version__, sys.version, _cpu_identity()])
     return "semanticache_cpu_ops_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 

@@ -18,6 +18,8 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -524,7 +526,9 @@ void attend(int64_t dim, const float* query, int64_t group, const Rows& keys, co
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
+}  // namespace
+
+at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                             const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
                             const std::optional<at::Tensor>& value_scales,
                             const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
@@ -600,6 +604,5 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
-}  // namespace
 
-TORCH_LIBRARY_IMPL(semanticache, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(semanticache, CPU, m) { m.impl("decode_attention", &semanticache::decode_attention); }

@@ -23,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -51,6 +53,10 @@ struct QuantisedRows {
 };
 
 constexpr int64_t GROUP = 32, OUTPUTS = 16;  // inputs per group; outputs per block of the layouts
+// How far ahead of the group it multiplies a thread asks for codes (bytes): the hardware prefetcher
+// alone left one-row products at 9.8-12.0 GB/s on a 2-core Xeon whose sum reads 19-21 GB/s; 4 KiB ahead
+// measured 12.0-13.0 (2 KiB and 8 KiB within the noise of it, alternating processes)
+constexpr int64_t PREFETCH = 4096;
 
 QuantisedRows quantise_rows(const float* x, int64_t rows, int64_t in_features) {
   const int64_t groups = in_features / GROUP;
@@ -174,9 +180,11 @@ at::Tensor unpack_q4_1(const at::Tensor& codes, const at::Tensor& scales, const 
   return out;
 }
 
+}  // namespace
+
 // x (rows, in) float32 times the Q4_1 weights, x quantised to Q8_0: (rows, out) float32; per output and
 // group, scale * row scale * the integer sum + minimum * the sum of the fp32 inputs, summed in fp32.
-at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& minimums) {
   check_q4_1(codes, scales, minimums);
   const int64_t blocks = codes.size(0), in_features = codes.size(1) * 8, groups = in_features / GROUP;
@@ -196,6 +204,7 @@ at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::
       std::fill(totals.begin(), totals.end(), 0.0f);
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;  // in L1 for the rows after the first
+        for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
         const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
         const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
         for (int64_t r = 0; r < rows; ++r) {
@@ -222,6 +231,8 @@ at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::
   });
   return out;
 }
+
+namespace {
 
 // sum over k < count of x[k] * codes[k] for one row of int8 codes
 inline float dot_int8(const int8_t* codes, const float* x, int64_t count) {
@@ -352,7 +363,9 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 #if defined(__AVX512F__)
         __m512 total = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; ++g) {
-          q8_group_dots(c + (b * in_features + g * GROUP) * OUTPUTS, xq + g * GROUP, xq_sum[g], dots);
+          const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
+          for (int64_t line = 0; line < 8; ++line) __builtin_prefetch(quads + PREFETCH + 64 * line);
+          q8_group_dots(quads, xq + g * GROUP, xq_sum[g], dots);
           const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (b * groups + g) * OUTPUTS));
           const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
           total = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(x_scale[g])),
@@ -362,7 +375,9 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 #else
         float total[OUTPUTS] = {};
         for (int64_t g = 0; g < groups; ++g) {
-          q8_group_dots(c + (b * in_features + g * GROUP) * OUTPUTS, xq + g * GROUP, xq_sum[g], dots);
+          const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
+          for (int64_t line = 0; line < 8; ++line) __builtin_prefetch(quads + PREFETCH + 64 * line);
+          q8_group_dots(quads, xq + g * GROUP, xq_sum[g], dots);
           const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
           for (int64_t j = 0; j < OUTPUTS; ++j) {
             total[j] += bf16_to_float(scale[j]) * x_scale[g] * static_cast<float>(dots[j]);
@@ -380,7 +395,7 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 
 TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
   m.impl("unpack_q4_1", &unpack_q4_1);
-  m.impl("q4_1_product", &q4_1_product);
+  m.impl("q4_1_product", &semanticache::q4_1_product);
   m.impl("int8_row_product", &int8_row_product);
   m.impl("q8_0_product", &q8_0_product);
 }

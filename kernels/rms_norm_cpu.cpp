@@ -11,10 +11,12 @@
 #include <ATen/ops/rms_norm.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <cmath>
 #include <cstdint>
 
-namespace {
+namespace semanticache {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.numel() == x.size(-1),
@@ -40,6 +42,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace semanticache
 
-TORCH_LIBRARY_IMPL(semanticache, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(semanticache, CPU, m) { m.impl("rms_norm", &semanticache::rms_norm); }

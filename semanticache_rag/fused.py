@@ -93,6 +93,7 @@ class FusedLlama:
         self.dtype = model.model.embed_tokens.weight.dtype  # step() is written for fp32 models
         self._scripted: torch.jit.ScriptModule | None | bool = False  # scripted at the first step (scripted_step)
         self._kernel: bool | None = None  # whether steps attend through the C++ kernel; decided at the first step
+        self._native: object = False  # the C++ int4 step's weights (native_layers), made at the first step
         # the one-token step's RMS norms (kernels/rms_norm_cpu.cpp once built: torch's costs ~26 us a row)
         from semanticache_rag.kernels import cpu_ops
 
@@ -162,18 +163,27 @@ class FusedLlama:
     def step(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden).
 
-        The layers run as one TorchScript call (:mod:`.scripted_step`) where the cache allows it,
-        otherwise in the Python loop below; both compute the same operations in the same order.
+        With int4 weights the layers run as one C++ call (:func:`native_layers`,
+        ``kernels/decoder_step_cpu.cpp``) where the kernels are built and the cache allows it; otherwise as
+        one TorchScript call (:mod:`.scripted_step`), or in the Python loop below. All three compute the
+        same operations in the same order (the C++ step's RoPE and residual adds to within a rounding).
         """
         core = self.model.model
         x = core.embed_tokens(input_ids).view(1, -1)
         cos, sin = self._rotation(position_ids, x.dtype)
-        scripted = self._script() if self._scripted_inputs(kv) else None
-        x = (
-            self._python_layers(kv, x, cos, sin)
-            if scripted is None
-            else self._scripted_layers(scripted, kv, x, cos, sin)
-        )
+        native = self._native_layers() if self._scripted_inputs(kv) else None
+        document = scripted_step.kept_step_document(kv) if native is not None else None
+        if native is not None and document is not None:  # int4 weights: every layer in one C++ call
+            appended_keys, appended_values, length = kv.buffers(1)
+            x = native.step(x, cos, sin, document, appended_keys, appended_values, length)
+            kv.extend(1)
+        else:
+            scripted = self._script() if self._scripted_inputs(kv) else None
+            x = (
+                self._python_layers(kv, x, cos, sin)
+                if scripted is None
+                else self._scripted_layers(scripted, kv, x, cos, sin)
+            )
         x = self._norm(core.norm, x.view(1, 1, -1))
         return self.model.lm_head(x) if head else x
 
@@ -186,6 +196,14 @@ class FusedLlama:
             group = self.heads // self.kv_heads
             self._kernel = cpu_ops.supports(self.head_dim, group) and cpu_ops.available()
         return self._kernel
+
+    def _native_layers(self):
+        """The C++ step's weights (:func:`native_layers`), made at the first call; ``None`` where it cannot run."""
+        if self._native is False:
+            self._native = (
+                native_layers(self.model, self.heads, self.kv_heads, self.head_dim) if self.kernel() else None
+            )
+        return self._native
 
     def _kernel_inputs(self, kv) -> tuple | None:
         """The scripted step's document inputs where the kernel attends them, else ``None``."""
@@ -265,3 +283,32 @@ class FusedLlama:
         )  # fmt: skip
         kv.extend(1)
         return x
+
+
+def native_layers(model, heads: int, kv_heads: int, dim: int):
+    """``torch.classes.semanticache.Int4Layers`` holding ``model``'s decoder layers (sharing their
+    tensors) where every projection is an :class:`~semanticache_rag.weights.Int4Linear` on its codes (the
+    C++ kernels built) and the norms are fp32; ``None`` otherwise."""
+    from semanticache_rag.kernels import cpu_ops
+    from semanticache_rag.weights import Int4Linear
+
+    if not cpu_ops.available():
+        return None
+    tensors, eps = [], []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(not isinstance(p, Int4Linear) or p.dense.numel() or p.bias is not None for p in products):
+            return None
+        if any(norm.weight.dtype != torch.float32 for norm in norms):
+            return None
+        for norm, pair in zip(norms, (products[:2], products[2:])):
+            tensors.append(norm.weight.detach())
+            for product in pair:
+                tensors += [product.codes, product.scales, product.minimums]
+            eps.append(float(norm.variance_epsilon))
+    # the layer's order of tensors: norm, qkv, o, norm, gate/up, down (decoder_step_cpu.cpp)
+    return torch.classes.semanticache.Int4Layers(
+        tensors, eps, heads, kv_heads, dim, float(model.model.layers[0].self_attn.scaling)
+    )

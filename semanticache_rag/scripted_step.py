@@ -225,6 +225,33 @@ def kept_step_inputs(kv) -> tuple | None:
     return kv.step_inputs or None
 
 
+def kept_step_document(kv):
+    """The document of ``kv`` as the C++ int4 step takes it (``torch.classes.semanticache.StepDocument``:
+    per layer its rows or codes, scales, minimums and bits, its ``log s``), made at the first call and
+    kept on it; ``None`` where the step cannot take it (a low-rank layer, or no :func:`step_inputs`)."""
+    if kv.step_document is None:
+        document = _step_document(kept_step_inputs(kv))
+        kv.step_document = False if document is None else document
+    return None if kv.step_document is False else kv.step_document
+
+
+def _step_document(inputs: tuple | None):
+    if inputs is None:
+        return None
+    keys, key_kinds, values, value_kinds, biases, _ = inputs
+    if "low_rank" in key_kinds or "low_rank" in value_kinds:
+        return None
+    empty = torch.empty(0)
+    tensors, bits = [], []
+    for layer_keys, key_kind, layer_values, value_kind, bias in zip(keys, key_kinds, values, value_kinds, biases):
+        for kind, parts in ((key_kind, layer_keys), (value_kind, layer_values)):
+            data, scales, minimums, width = kernel_arguments(kind, parts)
+            tensors += [data, empty if scales is None else scales, empty if minimums is None else minimums]
+            bits.append(width)
+        tensors.append(empty if bias is None else bias)
+    return torch.classes.semanticache.StepDocument(tensors, bits)
+
+
 def step_inputs(kv) -> tuple | None:
     """The document inputs of the scripted step for conversation ``kv`` (``None`` where it cannot take
     them): per layer its keys' and values' kinds and tensors, its ``log s``, and the scratch size."""

@@ -385,8 +385,9 @@ def test_decoding_step_equals_the_general_lean_pass(tiny_llama, tiny_tokenizer, 
 
 
 def _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights):
-    """(engine, prefill, decode): ``decode(cache, scripted)`` takes four steps after a question, with the
-    scripted layers or the Python loop, and returns their logits and the conversation."""
+    """(engine, prefill, decode): ``decode(cache, scripted, native=False)`` takes four steps after a
+    question, with the C++ int4 step (``native``), the scripted layers or the Python loop, and returns
+    their logits and the conversation."""
     from semanticache_rag.kv import ConversationKV
 
     model = convert_weights(copy.deepcopy(tiny_llama), weights)
@@ -395,8 +396,9 @@ def _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights):
     prefill = engine.prefill("Alpha beta gamma delta. The code is 4417. " * 30, progress=False, surprisal=True)
     ids = tiny_tokenizer("Which code?")["input_ids"]
 
-    def decode(cache, scripted):
+    def decode(cache, scripted, native=False):
         lean._scripted = False if scripted else None  # False: script at the first step; None: never
+        lean._native = False if native else None  # the same for the C++ step (int4 weights)
         kv = ConversationKV(cache.layers, capacity=len(ids) + 1)  # room for one step: the buffers must grow
         engine.forward(kv, ids, cache.positions)
         steps = [engine.forward(kv, [token], cache.positions + len(ids) + i) for i, token in enumerate([5, 17, 5, 30])]
@@ -446,6 +448,52 @@ def test_scripted_decoding_step_attends_kaizen_layers_as_the_python_step(tiny_ll
         assert kind in kv.step_inputs[1] and kind in kv.step_inputs[3], (option, kv.step_inputs[1])
         assert torch.equal(scripted, python), (option, float((scripted - python).abs().max()))
     assert any(isinstance(layer, SharedLayerKV) for layer in cache.layers)  # the last: shared layers
+
+
+def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_tokenizer):
+    """Every layer of an int4 model in one C++ call (kernels/decoder_step_cpu.cpp) gives the scripted
+    step's and the Python loop's logits exactly, over plain, merged (log s) and Kaizen-coded caches; a
+    cache with low-rank layers, which the attention kernel does not take, keeps the scripted step."""
+    from semanticache_rag import make_compressor
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, "int4")
+    lean = engine.model.semanticache_forward
+    compressions = [("none", None, ()), ("semanticache", 0.75, ()), ("kaizen", 0.6, ("int4",))]
+    compressions += [("kaizen", 0.5, ("int8",)), ("kaizen", 0.4, ("fp16",)), ("kaizen", 0.3, ("share",))]
+    for compression, ratio, options in compressions:
+        extra = {"options": options} if options else {}
+        cache = engine.compress(prefill, make_compressor(compression, ratio, **extra))
+        python, _ = decode(cache, scripted=False)
+        scripted, _ = decode(cache, scripted=True)
+        native, kv = decode(cache, scripted=False, native=True)
+        assert lean._native is not None and isinstance(kv.step_document, torch.ScriptObject), compression
+        assert torch.equal(scripted, python) and torch.equal(native, python), (
+            compression,
+            options,
+            float((native - python).abs().max()),
+        )
+    cache = engine.compress(prefill, make_compressor("kaizen", 0.6, options=("rank8",)))
+    scripted, _ = decode(cache, scripted=True)
+    native, kv = decode(cache, scripted=True, native=True)
+    assert kv.step_document is False and "low_rank" in kv.step_inputs[1] and torch.equal(native, scripted)
+
+
+def test_native_step_is_only_for_int4_layers_on_their_codes(tiny_llama, monkeypatch):
+    """fp16 layers, and int4 layers that kept their decoded weights (no C++ kernels), have no C++ step."""
+    from semanticache_rag.fused import native_layers
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    config = tiny_llama.config
+    shape = (config.num_attention_heads, config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
+    assert native_layers(convert_weights(copy.deepcopy(tiny_llama), "fp16"), *shape) is None
+    model = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    assert native_layers(model, *shape) is not None
+    layer = model.model.layers[1].mlp.down_proj
+    layer.dense = layer.decoded()
+    assert native_layers(model, *shape) is None
 
 
 def test_converted_parameters_are_copies_and_ties_stay_tied(tiny_llama):

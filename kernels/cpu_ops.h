@@ -1,0 +1,29 @@
+// The C++ CPU operators that other kernels call directly (kernels/decoder_step_cpu.cpp), without the
+// dispatcher between them. Each is registered as torch.ops.semanticache.<name> by the file that defines
+// it; kernels/cpu_ops.py builds them into one library and defines their schemas.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace semanticache {
+
+// kernels/rms_norm_cpu.cpp: x * (1 / sqrt(mean(x^2) + eps)) * weight, per row
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// kernels/int4_weights_cpu.cpp: x (rows, in) float32 times Q4_1 weights in their layout, (rows, out)
+at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& minimums);
+
+// kernels/decode_attention_cpu.cpp: one token's attention (H_kv, G, D) over a document as stored and
+// the appended (H_kv, T, D)
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
+                            const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
+                            const std::optional<at::Tensor>& value_scales,
+                            const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
+                            const at::Tensor& new_values);
+
+}  // namespace semanticache
