@@ -17,6 +17,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& minimums);
 
+// kernels/int4_weights_cpu.cpp: the same product in fp32 arithmetic, the rows unquantised
+at::Tensor q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& minimums);
+
 // kernels/decode_attention_cpu.cpp: one token's attention (H_kv, G, D) over a document as stored and
 // the appended (H_kv, T, D)
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,

@@ -2,7 +2,7 @@
 
 Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`) has the signature of
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
-``unpack_q4_1``, ``q4_1_product``, ``q8_0_product`` and ``int8_row_product``
+``unpack_q4_1``, ``q4_1_product``, ``q4_1_product_fp32``, ``q8_0_product`` and ``int8_row_product``
 (``int4_weights_cpu.cpp``) those of
 :mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm``
 (``rms_norm_cpu.cpp``) that of :mod:`.rms_norm_ref`. The operators' schemas are defined here, in
@@ -72,6 +72,10 @@ SCHEMAS = {
     "q4_1_product": (
         "q4_1_product(Tensor x, Tensor codes, Tensor scales, Tensor minimums) -> Tensor",
         int4_weights_ref.q4_1_product,
+    ),
+    "q4_1_product_fp32": (
+        "q4_1_product_fp32(Tensor x, Tensor codes, Tensor scales, Tensor minimums) -> Tensor",
+        int4_weights_ref.q4_1_product_fp32,
     ),
     "int8_row_product": (
         "int8_row_product(Tensor x, Tensor codes, Tensor scales) -> Tensor",

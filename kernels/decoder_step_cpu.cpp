@@ -8,8 +8,8 @@
 //
 // Two classes, torch.classes.semanticache.*, made once and kept:
 // - Int4Layers: the model's weights (per layer the two norms' weights and the Q4_1 codes, scales and
-//   minimums of the fused query/key/value, output, fused gate/up and down products) and its shape;
-//   step() runs every layer for one token.
+//   minimums of the fused query/key/value, output, fused gate/up and down products), its shape and
+//   whether its products keep fp32 rows (weights="int4-exact"); step() runs every layer for one token.
 // - StepDocument: one conversation's document layers as the attention kernel takes them (rows or
 //   codes, scales, minimums, bits; the log s bias), made once per conversation.
 //
@@ -63,11 +63,12 @@ struct Int4Layers : torch::CustomClassHolder {
   std::vector<double> eps;          // per layer: the two norms' epsilons
   int64_t heads, kv_heads, dim;
   double scaling;
+  bool fp32_rows;  // products in fp32 arithmetic (q4_1_product_fp32), not with rows quantised to Q8_0
 
   Int4Layers(std::vector<at::Tensor> weights_, std::vector<double> eps_, int64_t heads_, int64_t kv_heads_,
-             int64_t dim_, double scaling_)
+             int64_t dim_, double scaling_, bool fp32_rows_)
       : weights(std::move(weights_)), eps(std::move(eps_)), heads(heads_), kv_heads(kv_heads_), dim(dim_),
-        scaling(scaling_) {
+        scaling(scaling_), fp32_rows(fp32_rows_) {
     TORCH_CHECK(weights.size() % WEIGHTS_PER_LAYER == 0 && eps.size() * WEIGHTS_PER_LAYER == 2 * weights.size(),
                 "Int4Layers takes ", WEIGHTS_PER_LAYER, " weights and 2 epsilons a layer, got ", weights.size(),
                 " weights and ", eps.size(), " epsilons");
@@ -108,7 +109,7 @@ struct Int4Layers : torch::CustomClassHolder {
                       keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1,
                   "layer ", l, ": appended buffers must be float32 (1, ", kv_heads, ", > ", length, ", ", dim, ")");
       // -- attention: norm, query/key/value, RoPE, the new key and value into the buffers, the kernel
-      const at::Tensor qkv = semanticache::q4_1_product(semanticache::rms_norm(x, w[0], eps[2 * l]), w[1], w[2], w[3]);
+      const at::Tensor qkv = product(semanticache::rms_norm(x, w[0], eps[2 * l]), w[1], w[2], w[3]);
       TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", l, ": the query/key/value product gives ",
                   qkv.size(1), " outputs, the heads take ", q_size + 2 * kv_size);
       const float* p = qkv.data_ptr<float>();
@@ -136,18 +137,24 @@ struct Int4Layers : torch::CustomClassHolder {
           query, doc[0], present(doc[1]), present(doc[2]), document->bits[2 * l], doc[3], present(doc[4]),
           present(doc[5]), document->bits[2 * l + 1], present(doc[6]), keys_buffer.select(0, 0).narrow(1, 0, length + 1),
           values_buffer.select(0, 0).narrow(1, 0, length + 1));
-      const at::Tensor projected = semanticache::q4_1_product(out.view({1, q_size}), w[4], w[5], w[6]);
+      const at::Tensor projected = product(out.view({1, q_size}), w[4], w[5], w[6]);
       add_into(residual, projected, hidden);
       // -- MLP: norm, gate/up, SiLU(gate) * up, down
-      const at::Tensor gate_up = semanticache::q4_1_product(semanticache::rms_norm(x, w[7], eps[2 * l + 1]), w[8], w[9], w[10]);
+      const at::Tensor gate_up = product(semanticache::rms_norm(x, w[7], eps[2 * l + 1]), w[8], w[9], w[10]);
       const int64_t inner = gate_up.size(1) / 2;
       at::Tensor activated = at::silu(gate_up.narrow(1, 0, inner));  // contiguous (1, inner)
       float* a = activated.data_ptr<float>();
       const float* up = gate_up.data_ptr<float>() + inner;
       for (int64_t i = 0; i < inner; ++i) a[i] *= up[i];
-      add_into(residual, semanticache::q4_1_product(activated, w[11], w[12], w[13]), hidden);
+      add_into(residual, product(activated, w[11], w[12], w[13]), hidden);
     }
     return x;
+  }
+
+  at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& minimums) const {
+    return fp32_rows ? semanticache::q4_1_product_fp32(x, codes, scales, minimums)
+                     : semanticache::q4_1_product(x, codes, scales, minimums);
   }
 
   static void add_into(float* residual, const at::Tensor& update, int64_t hidden) {
@@ -162,6 +169,6 @@ struct Int4Layers : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(semanticache, m) {
   m.class_<StepDocument>("StepDocument").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
   m.class_<Int4Layers>("Int4Layers")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, double, bool>())
       .def("step", &Int4Layers::step);
 }

@@ -234,6 +234,136 @@ at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& cod
 
 namespace {
 
+// tile[k][j] = the Q4_1 code of input k of a group for output j (as floats); octets = the group's 4 x 64 bytes
+inline void q4_group_tile(const uint8_t* octets, float (*tile)[OUTPUTS]) {
+#if defined(__AVX512F__)
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int64_t o = 0; o < GROUP / 8; ++o) {
+    const __m512i bytes = _mm512_loadu_si512(octets + 64 * o);  // lane j: output j's 4 bytes
+    for (int t = 0; t < 4; ++t) {
+      _mm512_store_ps(tile[8 * o + t], _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t), mask)));
+      _mm512_store_ps(tile[8 * o + 4 + t],
+                      _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t + 4), mask)));
+    }
+  }
+#elif defined(__AVX2__)
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t o = 0; o < GROUP / 8; ++o) {
+    for (int64_t h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32 * h));
+      for (int t = 0; t < 4; ++t) {
+        _mm256_store_ps(tile[8 * o + t] + 8 * h,
+                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * t), mask)));
+        _mm256_store_ps(tile[8 * o + 4 + t] + 8 * h,
+                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * t + 4), mask)));
+      }
+    }
+  }
+#else
+  for (int64_t k = 0; k < GROUP; ++k) {  // input k: octet k / 8, byte k % 4, half (k / 4) % 2
+    const uint8_t* bytes = octets + 64 * (k / 8) + k % 4;
+    const int shift = 4 * ((k / 4) % 2);
+    for (int64_t j = 0; j < OUTPUTS; ++j) tile[k][j] = static_cast<float>((bytes[4 * j] >> shift) & 15);
+  }
+#endif
+}
+
+}  // namespace
+
+// x (rows, in) float32 times the Q4_1 weights in fp32 arithmetic, the rows as they are: per output and
+// group, scale * (the sum of input * code) + minimum * (the sum of the inputs), summed over groups. The
+// weights are the decoded ones exactly (code * scale + minimum); only the order of the sums differs from
+// a product by them. Each group's codes become floats once, for every row.
+at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                           const at::Tensor& minimums) {
+  check_q4_1(codes, scales, minimums);
+  const int64_t blocks = codes.size(0), in_features = codes.size(1) * 8, groups = in_features / GROUP;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
+              "x must be contiguous float32 rows of ", in_features, " inputs, got ", x.sizes());
+  const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  const float* input = x.data_ptr<float>();
+  std::vector<float> sums(rows * groups);  // per row and group, the sum of its inputs
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < GROUP; ++k) sum += input[r * in_features + g * GROUP + k];
+      sums[r * groups + g] = sum;
+    }
+  }
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* m = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
+    alignas(64) float tile[GROUP][OUTPUTS];
+    std::vector<float> totals(rows * OUTPUTS);
+    for (int64_t b = first; b < last; ++b) {
+      std::fill(totals.begin(), totals.end(), 0.0f);
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;
+        for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
+        const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
+        const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
+#if defined(__AVX512F__)
+        if (rows == 1) {  // decoding: the codes converted in registers, no tile
+          const float* row = input + g * GROUP;
+          const __m512i mask = _mm512_set1_epi32(15);
+          __m512 even = _mm512_setzero_ps(), odd = even;
+          for (int64_t o = 0; o < GROUP / 8; ++o) {
+            const __m512i bytes = _mm512_loadu_si512(octets + 64 * o);
+            for (int t = 0; t < 4; ++t) {
+              const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t), mask));
+              const __m512 high = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t + 4), mask));
+              even = _mm512_fmadd_ps(low, _mm512_set1_ps(row[8 * o + t]), even);
+              odd = _mm512_fmadd_ps(high, _mm512_set1_ps(row[8 * o + 4 + t]), odd);
+            }
+          }
+          const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+          const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+          const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(totals.data()));
+          _mm512_storeu_ps(totals.data(), _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(sums[g]), t));
+          continue;
+        }
+#endif
+        q4_group_tile(octets, tile);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* row = input + r * in_features + g * GROUP;
+          float* total = totals.data() + r * OUTPUTS;
+          const float row_sum = sums[r * groups + g];
+#if defined(__AVX512F__)
+          __m512 even = _mm512_setzero_ps(), odd = even;
+          for (int64_t o = 0; o < GROUP / 8; ++o) {  // the sums in the one-row path's order
+            for (int64_t t = 0; t < 4; ++t) {
+              const int64_t k = 8 * o + t;
+              even = _mm512_fmadd_ps(_mm512_load_ps(tile[k]), _mm512_set1_ps(row[k]), even);
+              odd = _mm512_fmadd_ps(_mm512_load_ps(tile[k + 4]), _mm512_set1_ps(row[k + 4]), odd);
+            }
+          }
+          const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+          const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+          const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(total));
+          _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
+#else
+          float dot[OUTPUTS] = {};
+          for (int64_t k = 0; k < GROUP; ++k)
+            for (int64_t j = 0; j < OUTPUTS; ++j) dot[j] += tile[k][j] * row[k];
+          for (int64_t j = 0; j < OUTPUTS; ++j) {
+            total[j] += half_to_float(scale[j]) * dot[j] + half_to_float(minimum[j]) * row_sum;
+          }
+#endif
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(o + r * out_features + b * OUTPUTS, totals.data() + r * OUTPUTS, OUTPUTS * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+namespace {
+
 // sum over k < count of x[k] * codes[k] for one row of int8 codes
 inline float dot_int8(const int8_t* codes, const float* x, int64_t count) {
   int64_t k = 0;
@@ -396,6 +526,7 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
   m.impl("unpack_q4_1", &unpack_q4_1);
   m.impl("q4_1_product", &semanticache::q4_1_product);
+  m.impl("q4_1_product_fp32", &semanticache::q4_1_product_fp32);
   m.impl("int8_row_product", &int8_row_product);
   m.impl("q8_0_product", &q8_0_product);
 }

@@ -55,6 +55,18 @@ def q4_1_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
     return (scaled + _per_output(minimums)[None] * sums[:, None, :]).sum(-1)
 
 
+def q4_1_product_fp32(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> torch.Tensor:
+    """``x`` (rows, in) fp32 times the Q4_1 weights in fp32 arithmetic, ``x`` as it is: (rows, out) fp32.
+    Per output and group: scale * the sum of input * code + minimum * the sum of the group's inputs."""
+    weight_codes = q4_1_codes(codes).unflatten(1, (-1, 32)).float()  # (out, in / 32, 32)
+    grouped = x.float().unflatten(-1, (-1, 32))  # (rows, in / 32, 32)
+    dots = torch.einsum("ogk,rgk->rog", weight_codes, grouped)
+    scaled = _per_output(scales)[None] * dots
+    return (scaled + _per_output(minimums)[None] * grouped.sum(-1)[:, None, :]).sum(-1)
+
+
 def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` (in,) fp32 times int8 ``codes`` (out, in) with one bf16 scale per output: (out,) fp32."""
     return (codes.float() @ x) * scales.float()

@@ -171,8 +171,8 @@ class Engine:
     ) -> Engine:
         """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it.
 
-        ``weights``: ``"model"`` (as loaded), or ``"fp16"`` / ``"bf16"`` / ``"int8"`` / ``"int4"`` weight-only
-        matrices for faster decoding on CPUs (see :mod:`semanticache_rag.weights`).
+        ``weights``: ``"model"`` (as loaded), or ``"fp16"`` / ``"bf16"`` / ``"int8"`` / ``"int4"`` /
+        ``"int4-exact"`` weight-only matrices for faster decoding on CPUs (see :mod:`semanticache_rag.weights`).
         ``kwargs`` are the constructor's (``store=DocumentStore()`` keeps document caches on disk).
         """
         from semanticache_rag.models import load_model

@@ -309,6 +309,8 @@ def native_layers(model, heads: int, kv_heads: int, dim: int):
                 tensors += [product.codes, product.scales, product.minimums]
             eps.append(float(norm.variance_epsilon))
     # the layer's order of tensors: norm, qkv, o, norm, gate/up, down (decoder_step_cpu.cpp)
-    return torch.classes.semanticache.Int4Layers(
-        tensors, eps, heads, kv_heads, dim, float(model.model.layers[0].self_attn.scaling)
-    )
+    scaling = {float(layer.self_attn.scaling) for layer in model.model.layers}
+    rows = {type(m).fp32_rows for layer in model.model.layers for m in layer.modules() if isinstance(m, Int4Linear)}
+    if len(scaling) != 1 or len(rows) != 1:
+        return None
+    return torch.classes.semanticache.Int4Layers(tensors, eps, heads, kv_heads, dim, scaling.pop(), rows.pop())

@@ -149,8 +149,8 @@ def load_model(
 ):
     """Load ``(model, tokenizer, model_name)`` with the package's attention function registered.
 
-    ``weights`` stores the matrices as loaded (``"model"``) or as ``"fp16"``, ``"bf16"``, ``"int8"`` or
-    ``"int4"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`).
+    ``weights`` stores the matrices as loaded (``"model"``) or as ``"fp16"``, ``"bf16"``, ``"int8"``,
+    ``"int4"`` or ``"int4-exact"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`).
 
     Raises
     ------

@@ -28,13 +28,18 @@ attention stay in the model's dtype, only the weight products change:
     default model's head ships so: :class:`GroupedInt8Linear` finds the file's codes exactly), for
     decoding, while reading's surprisal multiplies by the embedding table; an untied head stays bf16
     (as int8 per row it tripled the KL to the fp32 model's next-token distributions).
+``"int4-exact"``
+    int4's layers (the same codes, scales and minimums) with the rows kept in fp32
+    (:class:`ExactInt4Linear`), and the head as loaded: the fp32 model's arithmetic on the same weights,
+    up to the order of the sums, at int4's memory for the layers.
 
 Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,
 built on first use):
 
 - int4 layers and the Q8_0 head, fewer than :data:`MANY_ROWS` rows (decoding, a question's prompt):
   llama.cpp's arithmetic, each row quantised to Q8_0 and the code products summed as integers
-  (AVX-512 VNNI where the CPU has it), each block of codes read once for all the rows;
+  (AVX-512 VNNI where the CPU has it), each block of codes read once for all the rows; int4-exact
+  layers: the fp32 rows times the codes in fp32, each group's codes converted once for all the rows;
 - int8 layers and heads, one row: the fp32 row times the codes in fp32, in C++; up to
   :data:`MANY_ROWS` rows: torch's int8 CPU kernel on bf16 inputs (its fast path);
 - int8/int4 layers, :data:`MANY_ROWS` rows or more (reading a document): the layer's weights are
@@ -55,7 +60,7 @@ from torch import nn
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 
-WEIGHTS = ("model", "fp16", "bf16", "int8", "int4")
+WEIGHTS = ("model", "fp16", "bf16", "int8", "int4", "int4-exact")
 GROUP = 32  # GGUF's Q4_1 and Q8_0 block
 COMPUTE_DTYPE = torch.bfloat16
 #: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
@@ -209,6 +214,7 @@ class Int4Linear(_WeightOnlyLinear):
     scales: torch.Tensor
     minimums: torch.Tensor
     dense: torch.Tensor
+    fp32_rows = False  # ExactInt4Linear: rows multiplied as they are, in fp32
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
@@ -234,7 +240,22 @@ class Int4Linear(_WeightOnlyLinear):
         return torch.ops.semanticache.unpack_q4_1(self.codes, self.scales, self.minimums).t()
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.semanticache.q4_1_product(x[None], self.codes, self.scales, self.minimums)[0]
+        return self.product(x[None])[0]
+
+
+class ExactInt4Linear(Int4Linear):
+    """:class:`Int4Linear` whose products keep the rows in fp32 (``weights="int4-exact"``).
+
+    The weights are the decoded Q4_1 values exactly and every sum is in fp32
+    (``q4_1_product_fp32``: per group, scale * the sum of input * code + minimum * the sum of the
+    inputs), so the answers are the fp32 model's up to the order of the sums, at int4's memory. Slower
+    than :class:`Int4Linear`'s integer sums where the codes would be read faster than converted.
+    """
+
+    fp32_rows = True
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.semanticache.q4_1_product_fp32(x.contiguous(), self.codes, self.scales, self.minimums)
 
 
 class GroupedInt8Linear(_WeightOnlyLinear):
@@ -276,14 +297,21 @@ class GroupedInt8Linear(_WeightOnlyLinear):
         return torch.ops.semanticache.q8_0_product(x[None], self.codes, self.scales)[0]
 
 
-_LAYER_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
-_HEAD_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear}
+_LAYER_KINDS = {
+    "fp16": FP16Linear,
+    "bf16": BF16Linear,
+    "int8": Int8Linear,
+    "int4": Int4Linear,
+    "int4-exact": ExactInt4Linear,
+}
+# int4-exact: the head stays as loaded (its fp32 arithmetic; the default model's is the embedding table)
+_HEAD_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear, "int4-exact": None}
 
 
 def _fits(weights: str, linear: nn.Linear) -> bool:
     """Whether ``linear`` can take the ``weights`` format: int4 and Q8_0 work in groups of :data:`GROUP`
     inputs and blocks of 16 outputs."""
-    return weights != "int4" or (linear.in_features % GROUP == 0 and linear.out_features % 16 == 0)
+    return not weights.startswith("int4") or (linear.in_features % GROUP == 0 and linear.out_features % 16 == 0)
 
 
 def _tied_head(model, head) -> bool:

@@ -262,6 +262,24 @@ def test_q4_1_product_is_its_twins_integer_sums(kernel, rows, out_features, in_f
     torch.testing.assert_close(got[-1:], cpu_ops.op("q4_1_product")(x[-1:], layout, scales, minimums), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 96), (3, 16, 64), (7, 256, 1152)])
+def test_q4_1_product_fp32_is_the_decoded_weights_product(kernel, rows, out_features, in_features):
+    """fp32 rows times the Q4_1 codes, in fp32 (int4-exact): its twin's and the decoded weights'
+    product to fp32 rounding (only the order of the sums differs), each row as it would be alone."""
+    _, layout, scales, minimums = _q4_1(out_features, in_features, seed=rows + 7)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(in_features + 1))
+    got = cpu_ops.op("q4_1_product_fp32")(x, layout, scales, minimums)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    exact = (x.double() @ int4_weights_ref.unpack_q4_1(layout, scales, minimums).double()).float()
+    tolerance = 1e-5 * float(exact.abs().max())
+    torch.testing.assert_close(got, exact, rtol=0, atol=tolerance)
+    torch.testing.assert_close(
+        int4_weights_ref.q4_1_product_fp32(x, layout, scales, minimums), exact, rtol=0, atol=tolerance
+    )
+    alone = cpu_ops.op("q4_1_product_fp32")(x[-1:], layout, scales, minimums)
+    torch.testing.assert_close(got[-1:], alone, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("out_features, in_features", [(64, 96), (17, 33), (48, 1536)])
 def test_int8_row_product_is_the_codes_product(kernel, out_features, in_features):
     """One fp32 row times int8 codes and their row scales (ragged lengths: the vector loop's tails)."""

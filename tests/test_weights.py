@@ -124,6 +124,19 @@ def test_int4_decodes_the_q4_1_weights_exactly_and_multiplies_few_rows_as_llama_
     torch.testing.assert_close(layer.rows(x[:1]), layer.rows(x[:5])[:1], rtol=0, atol=0)  # rows independent
 
 
+def test_int4_exact_multiplies_every_row_count_in_fp32_by_the_decoded_weights():
+    """int4-exact layers: one row, a few and many, the decoded weights' fp32 product to fp32 rounding."""
+    from semanticache_rag import weights
+    from semanticache_rag.weights import ExactInt4Linear
+
+    linear, layer = _kernel_layer(ExactInt4Linear, seed=4)
+    assert layer.one_row and layer.many_rows == weights.MANY_ROWS
+    x = torch.randn(weights.MANY_ROWS + 1, 96)
+    exact = (x.double() @ layer.decoded().double().T + linear.bias.double()).float().detach()
+    for rows in (1, 5, weights.MANY_ROWS + 1):
+        torch.testing.assert_close(layer.rows(x[:rows]), exact[:rows], rtol=0, atol=2e-5)
+
+
 def test_int4_without_the_cpu_kernels_multiplies_every_row_count_by_the_decoded_weights(monkeypatch):
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     linear = torch.nn.Linear(96, 64, bias=False)
@@ -162,11 +175,14 @@ def test_int4_of_arbitrary_weights_is_within_half_a_step():
     assert torch.allclose(Int4Linear(linear)(x), x @ rebuilt.T, rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("weights", ["fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp16", "bf16", "int8", "int4", "int4-exact"])
 def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tokenizer, weights):
+    from semanticache_rag.weights import ExactInt4Linear
+
     model = convert_weights(copy.deepcopy(tiny_llama), weights)
     kinds = {type(m) for m in model.modules()}
-    assert {FP16Linear, BF16Linear, Int8Linear, Int4Linear} & kinds and torch.nn.Linear not in kinds
+    assert {FP16Linear, BF16Linear, Int8Linear, Int4Linear, ExactInt4Linear} & kinds
+    assert (torch.nn.Linear in kinds) == (weights == "int4-exact")  # int4-exact: the head as loaded
     assert model.semanticache_weights == weights
     ids = torch.tensor([tiny_tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]])
     with torch.inference_mode():
@@ -306,7 +322,7 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
         assert engine.ask(cache, question, max_new_tokens=24).answer == answer.answer
 
 
-@pytest.mark.parametrize("weights", ["fp16", "bf16", "int4"])
+@pytest.mark.parametrize("weights", ["fp16", "bf16", "int4", "int4-exact"])
 def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_llama, tiny_tokenizer, weights):
     from semanticache_rag.fused import FusedLlama, RowSlice
     from semanticache_rag.kv import ConversationKV
@@ -408,7 +424,7 @@ def _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights):
     return engine, prefill, decode
 
 
-@pytest.mark.parametrize("weights", ["fp16", "int4"])
+@pytest.mark.parametrize("weights", ["fp16", "int4", "int4-exact"])
 def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, tiny_tokenizer, weights, monkeypatch):
     """The layers as one TorchScript call compute exactly what the Python loop computes, over plain and
     merged (log s) caches; a failure to script keeps the Python loop."""
@@ -450,7 +466,8 @@ def test_scripted_decoding_step_attends_kaizen_layers_as_the_python_step(tiny_ll
     assert any(isinstance(layer, SharedLayerKV) for layer in cache.layers)  # the last: shared layers
 
 
-def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_tokenizer):
+@pytest.mark.parametrize("weights", ["int4", "int4-exact"])
+def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_tokenizer, weights):
     """Every layer of an int4 model in one C++ call (kernels/decoder_step_cpu.cpp) gives the scripted
     step's and the Python loop's logits exactly, over plain, merged (log s) and Kaizen-coded caches; a
     cache with low-rank layers, which the attention kernel does not take, keeps the scripted step."""
@@ -458,7 +475,7 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
 
     if not cpu_ops.available():
         pytest.skip("the CPU kernels could not be built here")
-    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, "int4")
+    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights)
     lean = engine.model.semanticache_forward
     compressions = [("none", None, ()), ("semanticache", 0.75, ()), ("kaizen", 0.6, ("int4",))]
     compressions += [("kaizen", 0.5, ("int8",)), ("kaizen", 0.4, ("fp16",)), ("kaizen", 0.3, ("share",))]
@@ -478,6 +495,32 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     scripted, _ = decode(cache, scripted=True)
     native, kv = decode(cache, scripted=True, native=True)
     assert kv.step_document is False and "low_rank" in kv.step_inputs[1] and torch.equal(native, scripted)
+
+
+def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama, tiny_tokenizer):
+    """A model whose decoder weights Q4_1 holds exactly (as the default model's): int4-exact decodes the
+    fp32 model's greedy tokens, its logits within fp32 rounding (the C++ step included)."""
+    from semanticache_rag import make_compressor
+
+    model = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        for seed, linear in enumerate(m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)):
+            codes, scale, low = group_codes(_q4_weights(*linear.weight.shape, seed=seed))
+            exact = (
+                codes.float().unflatten(1, (-1, 32)) * scale.half().float()[..., None] + low.half().float()[..., None]
+            )
+            linear.weight.copy_(exact.flatten(1))
+    original = Engine(copy.deepcopy(model), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    converted = Engine(convert_weights(model, "int4-exact"), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    text = "Alpha beta gamma delta. The code is 4417. " * 30
+    for compression in [("none", None), ("semanticache", 0.75)]:
+        answers = []
+        for engine in (original, converted):
+            cache = engine.compress(engine.prefill(text, progress=False, surprisal=True), make_compressor(*compression))
+            answers.append(engine.ask(cache, "Which code?", max_new_tokens=12).answer)
+        assert answers[0] == answers[1], (compression, answers)
+    if cpu_ops.available():
+        assert converted.model.semanticache_forward._native is not None  # the C++ step ran
 
 
 def test_native_step_is_only_for_int4_layers_on_their_codes(tiny_llama, monkeypatch):
