@@ -3,7 +3,8 @@
 For each context length: llama.cpp's prompt processing (tok/s, at depth 0) and token generation at
 that depth (ms/token), with the model file we ship (Q4_1 GGUF) and ``llama-bench`` built by
 ``benchmarks/llama_bench.py``; then ours, per weight format (``--weights``: fp32 as converted, fp16
-through fbgemm's packed product, and int4 with the GGUF's own codes), reading the same text once and,
+through fbgemm's packed product, int8, int4 with the GGUF's own codes and llama.cpp's arithmetic, and
+int4-exact, the same codes in fp32 arithmetic), reading the same text once and,
 per cache (full, SemantiCache 0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time,
 decode ms/token (median of ``--steps`` steps after a question), the bytes a step reads (weights +
 document cache) over the machine's measured read bandwidth (the floor), and the KL divergence of the
