@@ -147,6 +147,11 @@ void check_q4_1(const at::Tensor& codes, const at::Tensor& scales, const at::Ten
   }
 }
 
+void check_rows(const at::Tensor& x, int64_t in_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
+              "x must be contiguous float32 rows of ", in_features, " inputs, got ", x.sizes());
+}
+
 // The Q4_1 weights (in, out) fp32: code * scale + minimum (the product exact, one rounding).
 at::Tensor unpack_q4_1(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& minimums) {
   check_q4_1(codes, scales, minimums);
@@ -188,8 +193,7 @@ at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& cod
                         const at::Tensor& minimums) {
   check_q4_1(codes, scales, minimums);
   const int64_t blocks = codes.size(0), in_features = codes.size(1) * 8, groups = in_features / GROUP;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
-              "x must be contiguous float32 rows of ", in_features, " inputs, got ", x.sizes());
+  check_rows(x, in_features);
   const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const QuantisedRows q = quantise_rows(x.data_ptr<float>(), rows, in_features);
@@ -278,8 +282,7 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
                                            const at::Tensor& minimums) {
   check_q4_1(codes, scales, minimums);
   const int64_t blocks = codes.size(0), in_features = codes.size(1) * 8, groups = in_features / GROUP;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
-              "x must be contiguous float32 rows of ", in_features, " inputs, got ", x.sizes());
+  check_rows(x, in_features);
   const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const float* input = x.data_ptr<float>();
@@ -472,8 +475,7 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
               "codes must be contiguous uint8 (out / 16, in / 4, 16, 4) with in a multiple of 32, got ",
               codes.sizes());
   const int64_t blocks = codes.size(0), in_features = codes.size(1) * 4, groups = in_features / GROUP;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
-              "x must be contiguous float32 rows of ", in_features, " inputs, got ", x.sizes());
+  check_rows(x, in_features);
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == OUTPUTS,
               "scales must be contiguous bf16 (out / 16, in / 32, 16), got ", scales.sizes());

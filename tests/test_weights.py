@@ -270,27 +270,26 @@ def test_bad_weight_options_are_config_errors(tiny_llama):
 
 @pytest.mark.slow
 @needs_default_model
-@pytest.mark.parametrize("weights", ["fp16", "int4-exact"])
-def test_default_model_answers_as_the_fp32_model(weights):
+def test_default_model_answers_as_the_fp32_model():
     """fp16 weights (through the scripted step) and int4-exact ones (the GGUF's codes in fp32 arithmetic,
     through the C++ step) keep the fp32 model's greedy answer, full cache and compressed."""
     from semanticache_rag import make_compressor
 
     text = "The vault code for the east wing is 4417. " + "Nothing else happened. " * 40
     question = "What is the vault code for the east wing?"
-    answers = []
-    for kind in ("model", weights):
+    answers = {}
+    for kind in ("model", "fp16", "int4-exact"):
         engine = Engine.from_pretrained(weights=kind)
         prefill = engine.prefill(text, progress=False, surprisal=True)
         for compression in (("none", None), ("semanticache", 0.75)):
             cache = engine.compress(prefill, make_compressor(*compression))
-            answers.append(engine.ask(cache, question, max_new_tokens=24).answer)
-    lean = engine.model.semanticache_forward
-    if weights == "fp16":
-        assert isinstance(lean._scripted, torch.jit.ScriptModule)
-    elif cpu_ops.available():
-        assert lean._native is not None
-    assert answers[:2] == answers[2:] and "4417" in answers[0], answers
+            answers.setdefault(kind, []).append(engine.ask(cache, question, max_new_tokens=24).answer)
+        lean = getattr(engine.model, "semanticache_forward", None)  # "model": transformers' forward
+        if kind == "fp16":
+            assert isinstance(lean._scripted, torch.jit.ScriptModule)
+        elif kind == "int4-exact" and cpu_ops.available():
+            assert lean._native is not None
+    assert answers["fp16"] == answers["model"] == answers["int4-exact"] and "4417" in answers["model"][0], answers
 
 
 @pytest.mark.slow
