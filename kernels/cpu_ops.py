@@ -2,10 +2,10 @@
 
 Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`) has the signature of
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
-``unpack_q4_1``, ``q4_1_product``, ``q4_1_product_fp32``, ``q8_0_product`` and ``int8_row_product``
-(``int4_weights_cpu.cpp``) those of
-:mod:`.int4_weights_ref`, ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm``
-(``rms_norm_cpu.cpp``) that of :mod:`.rms_norm_ref`. The operators' schemas are defined here, in
+``unpack_q4_1``, ``q4_1_product``, ``q4_1_product_fp32``, ``q8_0_product``, ``q8_0_product_fp32`` and
+``int8_row_product`` (``int4_weights_cpu.cpp``) those of :mod:`.int4_weights_ref`, ``greedy_seeds``
+(``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm`` (``rms_norm_cpu.cpp``) that of
+:mod:`.rms_norm_ref`. The operators' schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
 with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
@@ -82,6 +82,10 @@ SCHEMAS = {
         int4_weights_ref.int8_row_product,
     ),
     "q8_0_product": ("q8_0_product(Tensor x, Tensor codes, Tensor scales) -> Tensor", int4_weights_ref.q8_0_product),
+    "q8_0_product_fp32": (
+        "q8_0_product_fp32(Tensor x, Tensor codes, Tensor scales) -> Tensor",
+        int4_weights_ref.q8_0_product_fp32,
+    ),
     "rms_norm": ("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_ref.rms_norm),
     "greedy_seeds": (
         "greedy_seeds(Tensor similarity, Tensor chunk_lengths, Tensor free, Tensor tau) -> (Tensor, Tensor)",

@@ -12,7 +12,8 @@
 //   instructions); scales and minimums fp16 (out / 16, in / 32, 16). Few rows (decoding, a question)
 //   take the product, each block of codes loaded once for all rows; many rows (reading) multiply by the
 //   decoded weights (semanticache_rag/weights.py, Int4Linear.rows), one pass writing each weight once.
-// - q8_0_product: GGUF's Q8_0 (the default model's head).
+// - q8_0_product: GGUF's Q8_0 (the default model's head); q8_0_product_fp32: the same codes with fp32
+//   scales, the rows kept in fp32 (weights="int4-exact"'s head).
 // - int8_row_product: int8 codes with one scale per output row, one fp32 row (a dot product per row).
 //
 // Built with the other CPU kernels into one library by kernels/cpu_ops.py, which defines the schemas.
@@ -93,6 +94,12 @@ inline int32_t word_at(const int8_t* bytes) {
 
 inline float half_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
 
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 halves(const uint16_t* bits) {  // 8 fp16 values as floats
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
+}
+#endif
+
 // dots[j] = sum over a group's 32 inputs of Q4_1 code (output j) * row code; octets = the group's 4 x 64 bytes
 inline void q4_group_dots(const uint8_t* octets, const int8_t* xq, int32_t* dots) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -106,20 +113,22 @@ inline void q4_group_dots(const uint8_t* octets, const int8_t* xq, int32_t* dots
   }
   _mm512_storeu_si512(dots, _mm512_add_epi32(low_sum, high_sum));
 #elif defined(__AVX2__)
-  // unsigned codes (at most 15) times signed row codes, pairs summed in 16 bits (at most 2 * 15 * 127)
+  // unsigned codes (at most 15) times signed row codes, pairs summed in 16 bits: each 16-bit lane of an
+  // output gathers 16 of the group's 32 products (at most 16 * 15 * 127 = 30480 in magnitude, exact),
+  // and one madd a group adds an output's two lanes in 32 bits
   const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // outputs 0..7, 8..15
+  __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // outputs 0..7, 8..15
   for (int64_t o = 0; o < GROUP / 8; ++o) {
     const __m256i low_x = _mm256_set1_epi32(word_at(xq + 8 * o)), high_x = _mm256_set1_epi32(word_at(xq + 8 * o + 4));
     for (int64_t h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32 * h));
       const __m256i low = _mm256_maddubs_epi16(_mm256_and_si256(bytes, mask), low_x);
       const __m256i high = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), high_x);
-      sums[h] = _mm256_add_epi32(sums[h], _mm256_madd_epi16(_mm256_add_epi16(low, high), ones));
+      pairs[h] = _mm256_add_epi16(pairs[h], _mm256_add_epi16(low, high));
     }
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots), sums[0]);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + 8), sums[1]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots), _mm256_madd_epi16(pairs[0], ones));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + 8), _mm256_madd_epi16(pairs[1], ones));
 #else
   for (int64_t j = 0; j < OUTPUTS; ++j) {
     int32_t sum = 0;
@@ -221,6 +230,14 @@ at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& cod
           __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(weight_scale, _mm512_set1_ps(row_scale)),
                                      _mm512_cvtepi32_ps(_mm512_load_si512(dots)), _mm512_loadu_ps(total));
           _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+          for (int64_t h = 0; h < 2; ++h) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
+            const __m256 weight_scale = halves(scale + 8 * h), weight_minimum = halves(minimum + 8 * h);
+            const __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(weight_scale, _mm256_set1_ps(row_scale)),
+                                             _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots + 8 * h))),
+                                             _mm256_loadu_ps(total + 8 * h));
+            _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(weight_minimum, _mm256_set1_ps(row_sum), t));
+          }
 #else
           for (int64_t j = 0; j < OUTPUTS; ++j) {
             total[j] += half_to_float(scale[j]) * row_scale * static_cast<float>(dots[j]) + half_to_float(minimum[j]) * row_sum;
@@ -328,6 +345,27 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
           _mm512_storeu_ps(totals.data(), _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(sums[g]), t));
           continue;
         }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+        if (rows == 1) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
+          const float* row = input + g * GROUP;
+          const __m256i mask = _mm256_set1_epi32(15);
+          for (int64_t h = 0; h < 2; ++h) {
+            __m256 even = _mm256_setzero_ps(), odd = even;
+            for (int64_t o = 0; o < GROUP / 8; ++o) {
+              const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32 * h));
+              for (int t = 0; t < 4; ++t) {
+                const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * t), mask));
+                const __m256 high = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * t + 4), mask));
+                even = _mm256_fmadd_ps(low, _mm256_set1_ps(row[8 * o + t]), even);
+                odd = _mm256_fmadd_ps(high, _mm256_set1_ps(row[8 * o + 4 + t]), odd);
+              }
+            }
+            float* total = totals.data() + 8 * h;
+            const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even, odd), _mm256_loadu_ps(total));
+            _mm256_storeu_ps(total, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(sums[g]), t));
+          }
+          continue;
+        }
 #endif
         q4_group_tile(octets, tile);
         for (int64_t r = 0; r < rows; ++r) {
@@ -347,6 +385,19 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
           const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
           const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(total));
           _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+          for (int64_t h = 0; h < 2; ++h) {  // the one-row path's arithmetic
+            __m256 even = _mm256_setzero_ps(), odd = even;
+            for (int64_t o = 0; o < GROUP / 8; ++o) {
+              for (int64_t t = 0; t < 4; ++t) {
+                const int64_t k = 8 * o + t;
+                even = _mm256_fmadd_ps(_mm256_load_ps(tile[k] + 8 * h), _mm256_set1_ps(row[k]), even);
+                odd = _mm256_fmadd_ps(_mm256_load_ps(tile[k + 4] + 8 * h), _mm256_set1_ps(row[k + 4]), odd);
+              }
+            }
+            const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even, odd), _mm256_loadu_ps(total + 8 * h));
+            _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(row_sum), t));
+          }
 #else
           float dot[OUTPUTS] = {};
           for (int64_t k = 0; k < GROUP; ++k)
@@ -468,7 +519,9 @@ inline void q8_group_dots(const uint8_t* quads, const int8_t* xq, int32_t xq_sum
 #endif
 }
 
-at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+// Checks a Q8_0 layout's codes and scales (of `dtype`) and x's rows; returns the codes' input count.
+int64_t check_q8_0(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype,
+                   const char* dtype_name) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(2) == OUTPUTS && codes.size(3) == 4 && codes.is_contiguous() &&
                   (codes.size(1) * 4) % GROUP == 0,
@@ -476,9 +529,15 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
               codes.sizes());
   const int64_t blocks = codes.size(0), in_features = codes.size(1) * 4, groups = in_features / GROUP;
   check_rows(x, in_features);
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
+  TORCH_CHECK(scales.scalar_type() == dtype && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == OUTPUTS,
-              "scales must be contiguous bf16 (out / 16, in / 32, 16), got ", scales.sizes());
+              "scales must be contiguous ", dtype_name, " (out / 16, in / 32, 16), got ", scales.sizes());
+  return in_features;
+}
+
+at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  const int64_t blocks = codes.size(0), in_features = check_q8_0(x, codes, scales, at::kBFloat16, "bf16");
+  const int64_t groups = in_features / GROUP;
   const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const QuantisedRows q = quantise_rows(x.data_ptr<float>(), rows, in_features);
@@ -504,6 +563,22 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
                                   _mm512_cvtepi32_ps(_mm512_load_si512(dots)), total);
         }
         _mm512_storeu_ps(o + b * OUTPUTS, total);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // AVX-512's arithmetic, outputs 8 h ..
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
+          for (int64_t line = 0; line < 8; ++line) __builtin_prefetch(quads + PREFETCH + 64 * line);
+          q8_group_dots(quads, xq + g * GROUP, xq_sum[g], dots);
+          for (int64_t h = 0; h < 2; ++h) {
+            const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (b * groups + g) * OUTPUTS + 8 * h));
+            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+            total[h] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(x_scale[g])),
+                                       _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots + 8 * h))),
+                                       total[h]);
+          }
+        }
+        _mm256_storeu_ps(o + b * OUTPUTS, total[0]);
+        _mm256_storeu_ps(o + b * OUTPUTS + 8, total[1]);
 #else
         float total[OUTPUTS] = {};
         for (int64_t g = 0; g < groups; ++g) {
@@ -523,6 +598,91 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
   return out;
 }
 
+// Q8_0 rows times fp32 rows in fp32 arithmetic, the rows as they are (weights="int4-exact"'s head): per
+// output and group, scale * (the sum of input * code), summed over groups. The layout of q8_0_product's
+// codes; scales float32 (out / 16, in / 32, 16), so weights that are Q8_0 values (code * an fp16 scale)
+// decode exactly. A group's sum is four FMA chains (inputs 4 q + t, t < 4, each over q), added pairwise.
+// Rows go one at a time (each row's result is the one-row product's).
+at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  const int64_t blocks = codes.size(0), in_features = check_q8_0(x, codes, scales, at::kFloat, "float32");
+  const int64_t groups = in_features / GROUP, rows = x.size(0), out_features = blocks * OUTPUTS;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * in_features;
+    float* o = out.data_ptr<float>() + r * out_features;
+    at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+#if defined(__AVX512F__)
+        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // code + 128 -> the signed code
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
+          for (int64_t line = 0; line < 8; ++line) __builtin_prefetch(quads + PREFETCH + 64 * line);
+          const float* input = row + g * GROUP;
+          __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t q = 0; q < GROUP / 4; ++q) {
+            const __m512i bytes = _mm512_xor_si512(_mm512_loadu_si512(quads + 64 * q), flip);
+            const __m512i lanes[4] = {_mm512_srai_epi32(_mm512_slli_epi32(bytes, 24), 24),
+                                      _mm512_srai_epi32(_mm512_slli_epi32(bytes, 16), 24),
+                                      _mm512_srai_epi32(_mm512_slli_epi32(bytes, 8), 24), _mm512_srai_epi32(bytes, 24)};
+            for (int t = 0; t < 4; ++t) {
+              sums[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[t]), _mm512_set1_ps(input[4 * q + t]), sums[t]);
+            }
+          }
+          const __m512 sum = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
+          total = _mm512_fmadd_ps(_mm512_loadu_ps(s + (b * groups + g) * OUTPUTS), sum, total);
+        }
+        _mm512_storeu_ps(o + b * OUTPUTS, total);
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // AVX-512's arithmetic, outputs 8 h ..
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
+          for (int64_t line = 0; line < 8; ++line) __builtin_prefetch(quads + PREFETCH + 64 * line);
+          const float* input = row + g * GROUP;
+          for (int64_t h = 0; h < 2; ++h) {
+            __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t q = 0; q < GROUP / 4; ++q) {
+              const __m256i bytes =
+                  _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + 64 * q + 32 * h)), flip);
+              const __m256i lanes[4] = {_mm256_srai_epi32(_mm256_slli_epi32(bytes, 24), 24),
+                                        _mm256_srai_epi32(_mm256_slli_epi32(bytes, 16), 24),
+                                        _mm256_srai_epi32(_mm256_slli_epi32(bytes, 8), 24), _mm256_srai_epi32(bytes, 24)};
+              for (int t = 0; t < 4; ++t) {
+                sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[t]), _mm256_set1_ps(input[4 * q + t]), sums[t]);
+              }
+            }
+            const __m256 sum = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3]));
+            total[h] = _mm256_fmadd_ps(_mm256_loadu_ps(s + (b * groups + g) * OUTPUTS + 8 * h), sum, total[h]);
+          }
+        }
+        _mm256_storeu_ps(o + b * OUTPUTS, total[0]);
+        _mm256_storeu_ps(o + b * OUTPUTS + 8, total[1]);
+#else
+        float total[OUTPUTS] = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
+          const float* input = row + g * GROUP;
+          for (int64_t j = 0; j < OUTPUTS; ++j) {
+            float sums[4] = {};
+            for (int64_t q = 0; q < GROUP / 4; ++q) {
+              for (int64_t t = 0; t < 4; ++t) {
+                sums[t] += static_cast<float>(static_cast<int32_t>(quads[64 * q + 4 * j + t]) - 128) * input[4 * q + t];
+              }
+            }
+            total[j] += s[(b * groups + g) * OUTPUTS + j] * ((sums[0] + sums[1]) + (sums[2] + sums[3]));
+          }
+        }
+        std::memcpy(o + b * OUTPUTS, total, sizeof total);
+#endif
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
@@ -531,4 +691,5 @@ TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
   m.impl("q4_1_product_fp32", &semanticache::q4_1_product_fp32);
   m.impl("int8_row_product", &int8_row_product);
   m.impl("q8_0_product", &q8_0_product);
+  m.impl("q8_0_product_fp32", &q8_0_product_fp32);
 }

@@ -95,3 +95,16 @@ def q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     input_codes, input_scales = quantize_rows(x)
     dots = torch.einsum("ogk,rgk->rog", weight_codes.double(), input_codes.double()).float()  # exact integers
     return (_per_output(scales)[None] * input_scales[:, None, :] * dots).sum(-1)
+
+
+def q8_0_product_fp32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` (rows, in) fp32 times Q8_0 weights in fp32 arithmetic, ``x`` as it is: (rows, out) fp32.
+
+    :func:`q8_0_product`'s ``codes``, with fp32 ``scales`` (out / 16, in / 32, 16). Per output and group:
+    scale * the sum of input * code, summed over groups.
+    """
+    blocks, quads = codes.shape[:2]
+    groups = 4 * quads // 32
+    weight_codes = (codes.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(16 * blocks, groups, 32).float()
+    dots = torch.einsum("ogk,rgk->rog", weight_codes, x.float().unflatten(-1, (-1, 32)))
+    return (_per_output(scales)[None] * dots).sum(-1)

@@ -30,8 +30,10 @@ attention stay in the model's dtype, only the weight products change:
     (as int8 per row it tripled the KL to the fp32 model's next-token distributions).
 ``"int4-exact"``
     int4's layers (the same codes, scales and minimums) with the rows kept in fp32
-    (:class:`ExactInt4Linear`), and the head as loaded: the fp32 model's arithmetic on the same weights,
-    up to the order of the sums, at int4's memory for the layers.
+    (:class:`ExactInt4Linear`), and a tied head whose weights are Q8_0 values exactly (the default
+    model's) as its Q8_0 codes with fp32 scales, the rows in fp32 too (:class:`ExactGroupedInt8Linear`;
+    any other head stays as loaded): the fp32 model's arithmetic on the same weights, up to the order
+    of the sums, at int4's memory.
 
 Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,
 built on first use):
@@ -39,7 +41,8 @@ built on first use):
 - int4 layers and the Q8_0 head, fewer than :data:`MANY_ROWS` rows (decoding, a question's prompt):
   llama.cpp's arithmetic, each row quantised to Q8_0 and the code products summed as integers
   (AVX-512 VNNI where the CPU has it), each block of codes read once for all the rows; int4-exact
-  layers: the fp32 rows times the codes in fp32, each group's codes converted once for all the rows;
+  layers: the fp32 rows times the codes in fp32, each group's codes converted once for all the rows
+  (its Q8_0 head: each row in turn);
 - int8 layers and heads, one row: the fp32 row times the codes in fp32, in C++; up to
   :data:`MANY_ROWS` rows: torch's int8 CPU kernel on bf16 inputs (its fast path);
 - int8/int4 layers, :data:`MANY_ROWS` rows or more (reading a document): the layer's weights are
@@ -274,6 +277,7 @@ class GroupedInt8Linear(_WeightOnlyLinear):
 
     codes: torch.Tensor
     scales: torch.Tensor
+    scale_dtype = COMPUTE_DTYPE  # ExactGroupedInt8Linear: fp32, so that fp16 scales stay exact
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
@@ -284,7 +288,7 @@ class GroupedInt8Linear(_WeightOnlyLinear):
         codes, scales = _int8_codes(linear.weight, GROUP)  # (out, in / GROUP, GROUP), (out, in / GROUP)
         shifted = (codes.to(torch.int16) + 128).to(torch.uint8).view(-1, 16, self.in_features // 4, 4)
         self.register_buffer("codes", shifted.transpose(1, 2).contiguous())  # (out / 16, in / 4, 16, 4)
-        grouped = scales.to(COMPUTE_DTYPE).view(-1, 16, scales.shape[1])
+        grouped = scales.to(self.scale_dtype).view(-1, 16, scales.shape[1])
         self.register_buffer("scales", grouped.transpose(1, 2).contiguous())  # (out / 16, in / GROUP, 16)
         cpu_ops.available()  # builds the C++ kernels (once); without them the torch twin multiplies
         self.one_row = True
@@ -294,7 +298,32 @@ class GroupedInt8Linear(_WeightOnlyLinear):
         return torch.ops.semanticache.q8_0_product(x.float().contiguous(), self.codes, self.scales)
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.semanticache.q8_0_product(x[None], self.codes, self.scales)[0]
+        return self.product(x[None])[0]
+
+
+class ExactGroupedInt8Linear(GroupedInt8Linear):
+    """:class:`GroupedInt8Linear`'s codes with fp32 scales, the rows kept in fp32 (``weights="int4-exact"``'s
+    head, where the weights are Q8_0 values exactly: :func:`is_q8_0`).
+
+    The weights are then the codes times their scales exactly, and every sum is in fp32
+    (``q8_0_product_fp32``: per group, scale * the sum of input * code), so the logits are the fp32 head's
+    up to the order of the sums, from a quarter of its bytes (the default model's: 31 MB for 113).
+    """
+
+    scale_dtype = torch.float32
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.semanticache.q8_0_product_fp32(x.float().contiguous(), self.codes, self.scales)
+
+
+def is_q8_0(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (out, in) is made of Q8_0 values exactly: per group of :data:`GROUP` inputs, an
+    int8 code times the group's scale (as GGUF dequantises a Q8_0 table), the codes and scales that
+    :func:`_int8_codes` finds."""
+    if weight.shape[1] % GROUP:
+        return False
+    codes, scales = _int8_codes(weight, GROUP)
+    return torch.equal(codes.float() * scales[..., None], weight.detach().float().reshape(codes.shape))
 
 
 _LAYER_KINDS = {
@@ -304,7 +333,7 @@ _LAYER_KINDS = {
     "int4": Int4Linear,
     "int4-exact": ExactInt4Linear,
 }
-# int4-exact: the head stays as loaded (its fp32 arithmetic; the default model's is the embedding table)
+# int4-exact: a head that is not a tied Q8_0 table stays as loaded (its fp32 arithmetic)
 _HEAD_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear, "int4-exact": None}
 
 
@@ -352,12 +381,23 @@ def convert_weights(model: Any, weights: str) -> Any:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
     tied = head is not None and _tied_head(model, head)
-    if weights == "int4" and tied and not cpu_ops.available():
+    if weights.startswith("int4") and tied and not cpu_ops.available():
         head_kind = None  # Q8_0's product is C++: without it the head stays the tied embedding table, as loaded
-    elif weights in ("fp16", "int8", "int4") and tied and head is not None and _fits(weights, head):
-        # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes);
-        # reading, which needs the logits of many positions (surprisal), multiplies by the tied embedding table
-        head_kind = {"fp16": FP16Linear, "int8": Int8Linear, "int4": GroupedInt8Linear}[weights]
+    elif (
+        tied
+        and head is not None
+        and _fits(weights, head)
+        and (weights in ("fp16", "int8", "int4") or (weights == "int4-exact" and is_q8_0(head.weight)))
+    ):
+        # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes;
+        # int4-exact: the same codes in fp32 arithmetic, where they are the weights exactly); reading, which
+        # needs the logits of many positions (surprisal), multiplies by the tied embedding table
+        head_kind = {
+            "fp16": FP16Linear,
+            "int8": Int8Linear,
+            "int4": GroupedInt8Linear,
+            "int4-exact": ExactGroupedInt8Linear,
+        }[weights]
         model.semanticache_reading_head = model.get_input_embeddings()
     decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
     if decoder and all(_fits(weights, linear) for linear in decoder):

@@ -317,6 +317,28 @@ def test_q8_0_product_is_its_twins_integer_sums(kernel, rows, out_features, in_f
     assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 96), (3, 16, 64), (2, 256, 1152)])
+def test_q8_0_product_fp32_is_the_decoded_weights_product(kernel, rows, out_features, in_features):
+    """fp32 rows times Q8_0 codes with fp32 scales, in fp32 (int4-exact's head): its twin's and the decoded
+    weights' product to fp32 rounding (only the order of the sums differs), each row as it would be alone."""
+    g = torch.Generator().manual_seed(in_features + 2)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int32)
+    codes[0, :2] = torch.tensor([-127, 127])
+    layout = (codes + 128).to(torch.uint8).view(-1, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+    scales = torch.rand(out_features // 16, in_features // 32, 16, generator=g) / 100
+    x = torch.randn(rows, in_features, generator=g)
+    got = cpu_ops.op("q8_0_product_fp32")(x, layout, scales)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    weight = codes.double() * scales.double().transpose(1, 2).reshape(out_features, -1).repeat_interleave(32, 1)
+    exact = (x.double() @ weight.T).float()
+    tolerance = 1e-5 * float(exact.abs().max())
+    torch.testing.assert_close(got, exact, rtol=0, atol=tolerance)
+    torch.testing.assert_close(int4_weights_ref.q8_0_product_fp32(x, layout, scales), exact, rtol=0, atol=tolerance)
+    torch.testing.assert_close(got[-1:], cpu_ops.op("q8_0_product_fp32")(x[-1:], layout, scales), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):  # bf16 scales are q8_0_product's
+        cpu_ops.op("q8_0_product_fp32")(x, layout, scales.bfloat16())
+
+
 def test_q8_0_product_refuses_bad_inputs(kernel):
     codes, scales, x = (
         torch.zeros(4, 24, 16, 4, dtype=torch.uint8),

@@ -34,6 +34,15 @@ def _q4_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
     return (codes * scale + low).reshape(rows, columns)
 
 
+def _q8_0_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Weights that Q8_0 holds exactly: per group of 32, codes -127..127 (an end present) * an fp16 scale."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, columns // 32, 32), generator=g).float()
+    codes[..., 0] = 127
+    scale = (torch.rand(rows, columns // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    return (codes * scale).reshape(rows, columns)
+
+
 def test_group_codes_finds_q4_1_codes_again():
     weight = _q4_weights(64, 96)
     codes, scale, low = group_codes(weight)
@@ -182,7 +191,8 @@ def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tok
     model = convert_weights(copy.deepcopy(tiny_llama), weights)
     kinds = {type(m) for m in model.modules()}
     assert {FP16Linear, BF16Linear, Int8Linear, Int4Linear, ExactInt4Linear} & kinds
-    assert (torch.nn.Linear in kinds) == (weights == "int4-exact")  # int4-exact: the head as loaded
+    # int4-exact: a head that is not a tied Q8_0 table (the tiny model's is untied) stays as loaded
+    assert (torch.nn.Linear in kinds) == (weights == "int4-exact")
     assert model.semanticache_weights == weights
     ids = torch.tensor([tiny_tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]])
     with torch.inference_mode():
@@ -503,9 +513,11 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
 
 
 def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama, tiny_tokenizer):
-    """A model whose decoder weights Q4_1 holds exactly (as the default model's): int4-exact decodes the
-    fp32 model's greedy tokens, its logits within fp32 rounding (the C++ step included)."""
+    """A model whose decoder weights Q4_1 holds exactly and whose tied head Q8_0 does (as the default
+    model's): int4-exact decodes the fp32 model's greedy tokens (the C++ step and the Q8_0 head in fp32
+    included)."""
     from semanticache_rag import make_compressor
+    from semanticache_rag.weights import ExactGroupedInt8Linear, is_q8_0
 
     model = copy.deepcopy(tiny_llama)
     with torch.no_grad():
@@ -515,6 +527,10 @@ def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama,
                 codes.float().unflatten(1, (-1, 32)) * scale.half().float()[..., None] + low.half().float()[..., None]
             )
             linear.weight.copy_(exact.flatten(1))
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(_q8_0_weights(*embedding.shape, seed=11))
+        model.lm_head.weight = embedding  # tied, as the default model's head
+    assert is_q8_0(embedding) and not is_q8_0(embedding + 1e-4)
     original = Engine(copy.deepcopy(model), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     converted = Engine(convert_weights(model, "int4-exact"), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     text = "Alpha beta gamma delta. The code is 4417. " * 30
@@ -526,6 +542,9 @@ def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama,
         assert answers[0] == answers[1], (compression, answers)
     if cpu_ops.available():
         assert converted.model.semanticache_forward._native is not None  # the C++ step ran
+        assert isinstance(converted.model.lm_head, ExactGroupedInt8Linear)
+        x = torch.randn(1, embedding.shape[1])
+        torch.testing.assert_close(converted.model.lm_head(x), x @ embedding.T, rtol=0, atol=1e-5)
 
 
 def test_native_step_is_only_for_int4_layers_on_their_codes(tiny_llama, monkeypatch):
