@@ -25,6 +25,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -34,7 +35,8 @@
 namespace {
 
 constexpr int64_t MAX_GROUP = 16;
-constexpr int64_t ENTRIES_PER_TASK = 512;  // one (kv head, block) task: ~130 KiB of fp32 keys at D = 64
+constexpr int64_t ENTRIES_PER_TASK = 512;  // at most, one (kv head, block) task: ~130 KiB of fp32 keys at D = 64
+constexpr int64_t MIN_ENTRIES_PER_TASK = 64;  // at least, where the document is split for the threads
 constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax update (a multiple of 16)
 
 // One register of W float lanes (AVX-512: 16, otherwise 8), with GCC's vector extensions. Vectors wider
@@ -559,21 +561,34 @@ at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Ten
     bias_data = bias->data_ptr<float>();
     bias_stride = bias->stride(0);
   }
-  // Tasks: per head, blocks of the document, then one block of appended tokens.
-  const int64_t doc_blocks = (length + ENTRIES_PER_TASK - 1) / ENTRIES_PER_TASK;
+  // Tasks: per head, blocks of the document, then one block of appended tokens. At most ENTRIES_PER_TASK
+  // entries a block, and at least two blocks for each thread where the document has MIN_ENTRIES_PER_TASK
+  // entries for each: a compressed document's 200-500 entries a head in one block each left one of 2
+  // threads with two of 3 heads' blocks (the blocks' bounds depend on the thread count, and so does the
+  // rounding of the merged result).
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = std::max((length + ENTRIES_PER_TASK - 1) / ENTRIES_PER_TASK, (2 * threads + heads - 1) / heads);
+  const int64_t per_head = std::max<int64_t>(1, std::min(wanted, length / MIN_ENTRIES_PER_TASK));
+  const int64_t entries = std::max<int64_t>(1, (length + per_head - 1) / per_head);
+  const int64_t doc_blocks = (length + entries - 1) / entries;
   const int64_t blocks = doc_blocks + 1, tasks = heads * blocks, width = group * (dim + 2);
   std::vector<float> state(tasks * width);
   const float* q = query.data_ptr<float>();
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t head = task / blocks, block = task % blocks;
+  // Threads take tasks in turn, the document's blocks first (the appended tokens' are small), so that no
+  // thread waits while another still has two blocks.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t order = next++; order < tasks; order = next++) {
+      const int64_t head = order < heads * doc_blocks ? order / doc_blocks : order - heads * doc_blocks;
+      const int64_t block = order < heads * doc_blocks ? order % doc_blocks : doc_blocks;
+      const int64_t task = head * blocks + block;
       float* base = state.data() + task * width;
       Partial partial{base, base + group, base + 2 * group};
       std::fill(partial.maximum, partial.maximum + group, -INFINITY);
       std::fill(partial.total, partial.total + group * (dim + 1), 0.0f);
       const float* head_query = q + head * group * dim;
       if (block < doc_blocks) {
-        const int64_t begin = block * ENTRIES_PER_TASK, end = std::min(length, begin + ENTRIES_PER_TASK);
+        const int64_t begin = block * entries, end = std::min(length, begin + entries);
         const float* head_bias = bias_data == nullptr ? nullptr : bias_data + head * bias_stride;
         attend(dim, head_query, group, doc_keys, doc_values, head_bias, head, begin, end, partial);
       } else {
