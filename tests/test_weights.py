@@ -282,7 +282,7 @@ def test_bad_weight_options_are_config_errors(tiny_llama):
 @needs_default_model
 def test_default_model_answers_as_the_fp32_model():
     """fp16 weights (through the scripted step) and int4-exact ones (the GGUF's codes in fp32 arithmetic,
-    through the C++ step) keep the fp32 model's greedy answer, full cache and compressed."""
+    through the C++ step, and its Q8_0 head) keep the fp32 model's greedy answer, full cache and compressed."""
     from semanticache_rag import make_compressor
 
     text = "The vault code for the east wing is 4417. " + "Nothing else happened. " * 40
@@ -298,7 +298,10 @@ def test_default_model_answers_as_the_fp32_model():
         if kind == "fp16":
             assert isinstance(lean._scripted, torch.jit.ScriptModule)
         elif kind == "int4-exact" and cpu_ops.available():
-            assert lean._native is not None
+            from semanticache_rag.weights import ExactGroupedInt8Linear
+
+            assert lean._native is not None  # the C++ step, and the GGUF's Q8_0 head in fp32:
+            assert isinstance(engine.model.lm_head, ExactGroupedInt8Linear)
     assert answers["fp16"] == answers["model"] == answers["int4-exact"] and "4417" in answers["model"][0], answers
 
 
