@@ -127,6 +127,15 @@ inline vf reduce_lanes(const vf* a) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#elif defined(__AVX__)
+// AVX's in-lane pair sums (the generic shuffles below become cross-lane permutes and blends here, ~2x the
+// instructions): per 128-bit half, two levels of hadd sum each vector's four lanes; the halves then add.
+inline vf reduce_lanes(const vf* a) {
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes r, r + 4: a[r]'s halves' sums
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #else
 inline vf reduce_lanes(const vf* a) {
   vf b[4], c[2];
