@@ -192,6 +192,20 @@ def test_speed_tables_put_every_row_in_its_length_column():
     assert "| int4 | none | 330 | 311 |" in memory
 
 
+def test_compression_share_table_has_every_compressor_ratio_and_length():
+    from benchmarks.compression_share import COMPRESSORS, RATIOS, table
+
+    rows = [
+        {"compressor": c, "ratio": r, "tokens": n, "read_s": n / 300, "compress_s": r * n / 1000, "share": r / 10}
+        for c in COMPRESSORS
+        for r in RATIOS
+        for n in (2000, 7000)
+    ]
+    text = table(rows, [2000, 7000])
+    assert "| sekv | 0.9 | 1.80 s (9.0%) | 6.30 s (9.0%) |" in text
+    assert text.count("\n") == 2 + len(COMPRESSORS) * len(RATIOS) and text.endswith("| read | | 6.7 s | 23.3 s |")
+
+
 def test_llama_bench_without_cmake_says_how_to_get_it_and_keeps_a_finished_build(tmp_path, monkeypatch):
     from benchmarks import llama_bench
 
