@@ -536,8 +536,8 @@ int64_t check_q8_0(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 }
 
 at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  const int64_t blocks = codes.size(0), in_features = check_q8_0(x, codes, scales, at::kBFloat16, "bf16");
-  const int64_t groups = in_features / GROUP;
+  const int64_t in_features = check_q8_0(x, codes, scales, at::kBFloat16, "bf16");
+  const int64_t blocks = codes.size(0), groups = in_features / GROUP;
   const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const QuantisedRows q = quantise_rows(x.data_ptr<float>(), rows, in_features);
@@ -604,8 +604,8 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 // decode exactly. A group's sum is four FMA chains (inputs 4 q + t, t < 4, each over q), added pairwise.
 // Rows go one at a time (each row's result is the one-row product's).
 at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  const int64_t blocks = codes.size(0), in_features = check_q8_0(x, codes, scales, at::kFloat, "float32");
-  const int64_t groups = in_features / GROUP, rows = x.size(0), out_features = blocks * OUTPUTS;
+  const int64_t in_features = check_q8_0(x, codes, scales, at::kFloat, "float32");
+  const int64_t blocks = codes.size(0), groups = in_features / GROUP, rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();

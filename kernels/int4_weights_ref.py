@@ -82,6 +82,12 @@ def quantize_rows(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch
     return torch.round(grouped / safe[..., None]).to(torch.int32), scales
 
 
+def q8_0_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The signed codes (out, in / 32, 32) int32 of a Q8_0 layout (out / 16, in / 4, 16, 4) of code + 128."""
+    blocks, quads = codes.shape[:2]
+    return (codes.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(16 * blocks, 4 * quads // 32, 32)
+
+
 def q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` (rows, in) fp32 times Q8_0 weights, ``x`` quantised by :func:`quantize_rows`: (rows, out) fp32.
 
@@ -89,9 +95,7 @@ def q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     outputs side by side; ``scales`` (out / 16, in / 32, 16) bf16 one per output and group of 32 inputs.
     Per output and group: weight scale * input scale * the integer sum of code products, summed in fp32.
     """
-    blocks, quads = codes.shape[:2]
-    groups = 4 * quads // 32
-    weight_codes = (codes.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(16 * blocks, groups, 32)
+    weight_codes = q8_0_codes(codes)
     input_codes, input_scales = quantize_rows(x)
     dots = torch.einsum("ogk,rgk->rog", weight_codes.double(), input_codes.double()).float()  # exact integers
     return (_per_output(scales)[None] * input_scales[:, None, :] * dots).sum(-1)
@@ -103,8 +107,6 @@ def q8_0_product_fp32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     :func:`q8_0_product`'s ``codes``, with fp32 ``scales`` (out / 16, in / 32, 16). Per output and group:
     scale * the sum of input * code, summed over groups.
     """
-    blocks, quads = codes.shape[:2]
-    groups = 4 * quads // 32
-    weight_codes = (codes.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(16 * blocks, groups, 32).float()
+    weight_codes = q8_0_codes(codes).float()
     dots = torch.einsum("ogk,rgk->rog", weight_codes, x.float().unflatten(-1, (-1, 32)))
     return (_per_output(scales)[None] * dots).sum(-1)

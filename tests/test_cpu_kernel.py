@@ -296,14 +296,19 @@ def test_int8_row_product_is_the_codes_product(kernel, out_features, in_features
             cpu_ops.op("int8_row_product")(*args)
 
 
+def _q8_0(out_features: int, in_features: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 codes (both ends of the range) and their layout: code + 128, (out / 16, in / 4, 16, 4)."""
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int32)
+    codes[0, :2] = torch.tensor([-127, 127])
+    return codes, (codes + 128).to(torch.uint8).view(-1, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+
+
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 96), (3, 16, 64), (2, 256, 1152)])
 def test_q8_0_product_is_its_twins_integer_sums(kernel, rows, out_features, in_features):
     """Any codes (both ends of the range), bf16 scales, inputs with a zero group and ties: the twin's
     integer sums, scaled, to fp32 rounding; and within what quantising the inputs costs of the exact product."""
     g = torch.Generator().manual_seed(in_features)
-    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int32)
-    codes[0, :2] = torch.tensor([-127, 127])
-    layout = (codes + 128).to(torch.uint8).view(-1, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+    codes, layout = _q8_0(out_features, in_features, g)
     scales = (torch.rand(out_features // 16, in_features // 32, 16, generator=g) / 100).bfloat16()
     x = torch.randn(rows, in_features, generator=g)
     x[0, :32] = 0  # a zero group: scale 0, codes 0
@@ -322,9 +327,7 @@ def test_q8_0_product_fp32_is_the_decoded_weights_product(kernel, rows, out_feat
     """fp32 rows times Q8_0 codes with fp32 scales, in fp32 (int4-exact's head): its twin's and the decoded
     weights' product to fp32 rounding (only the order of the sums differs), each row as it would be alone."""
     g = torch.Generator().manual_seed(in_features + 2)
-    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int32)
-    codes[0, :2] = torch.tensor([-127, 127])
-    layout = (codes + 128).to(torch.uint8).view(-1, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+    codes, layout = _q8_0(out_features, in_features, g)
     scales = torch.rand(out_features // 16, in_features // 32, 16, generator=g) / 100
     x = torch.randn(rows, in_features, generator=g)
     got = cpu_ops.op("q8_0_product_fp32")(x, layout, scales)
@@ -337,6 +340,8 @@ def test_q8_0_product_fp32_is_the_decoded_weights_product(kernel, rows, out_feat
     torch.testing.assert_close(got[-1:], cpu_ops.op("q8_0_product_fp32")(x[-1:], layout, scales), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="scales must be contiguous float32"):  # bf16 scales are q8_0_product's
         cpu_ops.op("q8_0_product_fp32")(x, layout, scales.bfloat16())
+    with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
+        cpu_ops.op("q8_0_product_fp32")(x, torch.tensor(0, dtype=torch.uint8), scales)
 
 
 def test_q8_0_product_refuses_bad_inputs(kernel):
@@ -347,6 +352,7 @@ def test_q8_0_product_refuses_bad_inputs(kernel):
     )
     for args, message in [
         ((x, codes.int(), scales), "uint8"),
+        ((x, torch.tensor(0, dtype=torch.uint8), scales), "codes must be contiguous uint8"),  # no sizes at all
         ((x, torch.zeros(4, 23, 16, 4, dtype=torch.uint8), scales), "multiple of 32"),
         ((x[:, :64], codes, scales), "rows of 96"),
         ((x.double(), codes, scales), "float32"),
