@@ -21,6 +21,11 @@ at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& minimums);
 
+// kernels/int4_weights_cpu.cpp: x (rows, in) float32 times Q8_0 weights (codes in their layout, bf16
+// scales), the rows quantised to Q8_0 too; q8_0_product_fp32: fp32 scales, the rows as they are
+at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+
 // kernels/decode_attention_cpu.cpp: one token's attention (H_kv, G, D) over a document as stored and
 // the appended (H_kv, T, D)
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,

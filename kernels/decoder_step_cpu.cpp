@@ -10,6 +10,8 @@
 // - Int4Layers: the model's weights (per layer the two norms' weights and the Q4_1 codes, scales and
 //   minimums of the fused query/key/value, output, fused gate/up and down products), its shape and
 //   whether its products keep fp32 rows (weights="int4-exact"); step() runs every layer for one token.
+//   With its ends set (set_ends: the embedding table, the final norm, a Q8_0 head), token_step() runs
+//   the whole step from a token id to its logits, so that no Python operation is left between them.
 // - StepDocument: one conversation's document layers as the attention kernel takes them (rows or
 //   codes, scales, minimums, bits; the log s bias), made once per conversation.
 //
@@ -77,6 +79,48 @@ struct Int4Layers : torch::CustomClassHolder {
   }
 
   int64_t layers() const { return static_cast<int64_t>(eps.size()) / 2; }
+
+  // The step's two ends (set_ends): the embedding table (V, hidden) fp32, the final norm's weight and
+  // epsilon, and the output head's Q8_0 codes and scales (undefined: the head is not one, the caller
+  // multiplies by it). Shared with the model's modules, like the layers' weights.
+  at::Tensor embedding, final_norm, head_codes, head_scales;
+  double final_eps = 0.0;
+
+  void set_ends(const at::Tensor& embedding_, const at::Tensor& final_norm_, double final_eps_,
+                const at::Tensor& head_codes_, const at::Tensor& head_scales_) {
+    TORCH_CHECK(embedding_.scalar_type() == at::kFloat && embedding_.dim() == 2 && embedding_.is_contiguous() &&
+                    final_norm_.scalar_type() == at::kFloat && final_norm_.dim() == 1 &&
+                    final_norm_.numel() == embedding_.size(1),
+                "the embedding must be contiguous float32 (V, hidden) and the final norm's weight float32 (hidden,), got ",
+                embedding_.sizes(), " and ", final_norm_.sizes());
+    TORCH_CHECK(head_codes_.numel() == 0 || head_scales_.scalar_type() == at::kBFloat16 ||
+                    head_scales_.scalar_type() == at::kFloat,
+                "the head's Q8_0 scales must be bf16 (q8_0_product) or float32 (q8_0_product_fp32), got ",
+                head_scales_.scalar_type());
+    embedding = embedding_;
+    final_norm = final_norm_.contiguous();
+    final_eps = final_eps_;
+    head_codes = head_codes_.numel() ? head_codes_ : at::Tensor();
+    head_scales = head_codes_.numel() ? head_scales_ : at::Tensor();
+  }
+
+  bool has_head() const { return head_codes.defined(); }
+
+  // One whole step for token `token`: its embedding row, every layer (step()), the final norm, and with
+  // `head` the logits (1, V) by the Q8_0 head (set_ends), otherwise the final hidden state (1, hidden).
+  at::Tensor token_step(int64_t token, const at::Tensor& cos, const at::Tensor& sin,
+                        const c10::intrusive_ptr<StepDocument>& document, const std::vector<at::Tensor>& appended_keys,
+                        const std::vector<at::Tensor>& appended_values, int64_t length, bool head) const {
+    TORCH_CHECK(embedding.defined(), "token_step needs the embedding and the final norm (set_ends)");
+    TORCH_CHECK(token >= 0 && token < embedding.size(0), "token ", token, " is outside the vocabulary of ",
+                embedding.size(0));
+    TORCH_CHECK(!head || has_head(), "token_step(head=True) needs a Q8_0 head (set_ends)");
+    const at::Tensor x = step(embedding.narrow(0, token, 1), cos, sin, document, appended_keys, appended_values, length);
+    const at::Tensor normed = semanticache::rms_norm(x, final_norm, final_eps);
+    if (!head) return normed;
+    return head_scales.scalar_type() == at::kFloat ? semanticache::q8_0_product_fp32(normed, head_codes, head_scales)
+                                                   : semanticache::q8_0_product(normed, head_codes, head_scales);
+  }
 
   // x (1, hidden) float32 after every layer for one new token at RoPE's cos and signed sin (D,); its key
   // and value are written at `length` of each layer's appended buffers (1, H_kv, capacity, D).
@@ -170,5 +214,8 @@ TORCH_LIBRARY_FRAGMENT(semanticache, m) {
   m.class_<StepDocument>("StepDocument").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
   m.class_<Int4Layers>("Int4Layers")
       .def(torch::init<std::vector<at::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, double, bool>())
-      .def("step", &Int4Layers::step);
+      .def("step", &Int4Layers::step)
+      .def("set_ends", &Int4Layers::set_ends)
+      .def("has_head", &Int4Layers::has_head)
+      .def("token_step", &Int4Layers::token_step);
 }

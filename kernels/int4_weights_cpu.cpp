@@ -535,7 +535,9 @@ int64_t check_q8_0(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return in_features;
 }
 
-at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+}  // namespace
+
+at::Tensor semanticache::q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   const int64_t in_features = check_q8_0(x, codes, scales, at::kBFloat16, "bf16");
   const int64_t blocks = codes.size(0), groups = in_features / GROUP;
   const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
@@ -603,7 +605,7 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 // codes; scales float32 (out / 16, in / 32, 16), so weights that are Q8_0 values (code * an fp16 scale)
 // decode exactly. A group's sum is four FMA chains (inputs 4 q + t, t < 4, each over q), added pairwise.
 // Rows go one at a time (each row's result is the one-row product's).
-at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+at::Tensor semanticache::q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   const int64_t in_features = check_q8_0(x, codes, scales, at::kFloat, "float32");
   const int64_t blocks = codes.size(0), groups = in_features / GROUP, rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
@@ -683,13 +685,11 @@ at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_IMPL(semanticache, CPU, m) {
   m.impl("unpack_q4_1", &unpack_q4_1);
   m.impl("q4_1_product", &semanticache::q4_1_product);
   m.impl("q4_1_product_fp32", &semanticache::q4_1_product_fp32);
   m.impl("int8_row_product", &int8_row_product);
-  m.impl("q8_0_product", &q8_0_product);
-  m.impl("q8_0_product_fp32", &q8_0_product_fp32);
+  m.impl("q8_0_product", &semanticache::q8_0_product);
+  m.impl("q8_0_product_fp32", &semanticache::q8_0_product_fp32);
 }

@@ -31,6 +31,8 @@ from semanticache_rag import coded_attention, scripted_step
 from semanticache_rag.attention import semanticache_attention
 
 _STATIC_ROPE = ("default", "linear", "llama3")
+# positions whose RoPE rotation a one-token step's table holds (FusedLlama._rotation): 128 KiB of fp32
+ROTATION_BLOCK = 256
 
 
 class RowSlice(nn.Module):
@@ -94,6 +96,7 @@ class FusedLlama:
         self._scripted: torch.jit.ScriptModule | None | bool = False  # scripted at the first step (scripted_step)
         self._kernel: bool | None = None  # whether steps attend through the C++ kernel; decided at the first step
         self._native: object = False  # the C++ int4 step's weights (native_layers), made at the first step
+        self._rotations: tuple = (None, None, None)  # (block, dtype), cos and signed sin of its positions
         # the one-token step's RMS norms (kernels/rms_norm_cpu.cpp once built: torch's costs ~26 us a row)
         from semanticache_rag.kernels import cpu_ops
 
@@ -154,37 +157,52 @@ class FusedLlama:
         return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
 
     def _rotation(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and the signed ``sin`` of one position, so that RoPE is ``x * cos + x[..., swap] * sin``."""
-        cos, sin = self._cos_sin(position_ids, dtype)
-        half = sin.shape[-1] // 2
-        sin[..., :half].neg_()  # rotate_half's minus sign, carried by sin
-        return cos.view(-1), sin.view(-1)
+        """``cos`` and the signed ``sin`` of one position, so that RoPE is ``x * cos + x[..., swap] * sin``.
+
+        Rows of a table of :data:`ROTATION_BLOCK` positions, made at once by the same operations (each value
+        the one a single position gives, bit for bit: tested), so that a step makes none of them.
+        """
+        position = int(position_ids.reshape(-1)[0])
+        block, row = divmod(position, ROTATION_BLOCK)
+        if self._rotations[0] != (block, dtype):
+            first = block * ROTATION_BLOCK
+            cos, sin = self._cos_sin(torch.arange(first, first + ROTATION_BLOCK)[None], dtype)
+            half = sin.shape[-1] // 2
+            sin[..., :half].neg_()  # rotate_half's minus sign, carried by sin
+            self._rotations = ((block, dtype), cos[0], sin[0])
+        return self._rotations[1][row], self._rotations[2][row]
 
     def step(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden).
 
-        With int4 weights the layers run as one C++ call (:func:`native_layers`,
-        ``kernels/decoder_step_cpu.cpp``) where the kernels are built and the cache allows it; otherwise as
-        one TorchScript call (:mod:`.scripted_step`), or in the Python loop below. All three compute the
-        same operations in the same order (the C++ step's RoPE and residual adds to within a rounding).
+        With int4 weights the whole step is one C++ call (:func:`native_layers`,
+        ``kernels/decoder_step_cpu.cpp``: the embedding row, the layers, the final norm and a Q8_0 head)
+        where the kernels are built and the cache allows it; otherwise the layers are one TorchScript call
+        (:mod:`.scripted_step`), or the Python loop below. All three compute the same operations in the
+        same order (the C++ step's RoPE and residual adds to within a rounding), the final norm by the
+        ``rms_norm`` kernel too. Each Python operation left in a step cost 5-7x its cache-warm time
+        there (the layers' weights have just streamed through the caches): the embedding, the final
+        norm and RoPE's angles took 0.45 ms of a 7 ms step on a 2-core AVX2 CPU before they moved.
         """
         core = self.model.model
-        x = core.embed_tokens(input_ids).view(1, -1)
-        cos, sin = self._rotation(position_ids, x.dtype)
+        cos, sin = self._rotation(position_ids, self.dtype)
         native = self._native_layers() if self._scripted_inputs(kv) else None
         document = scripted_step.kept_step_document(kv) if native is not None else None
-        if native is not None and document is not None:  # int4 weights: every layer in one C++ call
+        if native is not None and document is not None:  # int4 weights: the whole step in one C++ call
             appended_keys, appended_values, length = kv.buffers(1)
-            x = native.step(x, cos, sin, document, appended_keys, appended_values, length)
+            in_step = head and native.has_head()
+            out = native.token_step(
+                int(input_ids), cos, sin, document, appended_keys, appended_values, length, in_step
+            ).view(1, 1, -1)
             kv.extend(1)
+            return self.model.lm_head(out) if head and not in_step else out
+        x = core.embed_tokens(input_ids).view(1, -1)
+        scripted = self._script() if self._scripted_inputs(kv) else None
+        if scripted is None:
+            x = self._python_layers(kv, x, cos, sin)
         else:
-            scripted = self._script() if self._scripted_inputs(kv) else None
-            x = (
-                self._python_layers(kv, x, cos, sin)
-                if scripted is None
-                else self._scripted_layers(scripted, kv, x, cos, sin)
-            )
-        x = self._norm(core.norm, x.view(1, 1, -1))
+            x = self._scripted_layers(scripted, kv, x, cos, sin)
+        x = torch.ops.semanticache.rms_norm(x.view(1, 1, -1), core.norm.weight, core.norm.variance_epsilon)
         return self.model.lm_head(x) if head else x
 
     def kernel(self) -> bool:
@@ -288,11 +306,13 @@ class FusedLlama:
 def native_layers(model, heads: int, kv_heads: int, dim: int):
     """``torch.classes.semanticache.Int4Layers`` holding ``model``'s decoder layers (sharing their
     tensors) where every projection is an :class:`~semanticache_rag.weights.Int4Linear` on its codes (the
-    C++ kernels built) and the norms are fp32; ``None`` otherwise."""
+    C++ kernels built) and the norms are fp32; ``None`` otherwise. It also holds the step's ends
+    (``token_step``): the embedding table, the final norm and, where the output head is a
+    :class:`~semanticache_rag.weights.GroupedInt8Linear` (Q8_0, either kind), the head's codes."""
     from semanticache_rag.kernels import cpu_ops
-    from semanticache_rag.weights import Int4Linear
+    from semanticache_rag.weights import GroupedInt8Linear, Int4Linear
 
-    if not cpu_ops.available():
+    if not cpu_ops.available() or model.model.norm.weight.dtype != torch.float32:
         return None
     tensors, eps = [], []
     for layer in model.model.layers:
@@ -313,4 +333,16 @@ def native_layers(model, heads: int, kv_heads: int, dim: int):
     rows = {type(m).fp32_rows for layer in model.model.layers for m in layer.modules() if isinstance(m, Int4Linear)}
     if len(scaling) != 1 or len(rows) != 1:
         return None
-    return torch.classes.semanticache.Int4Layers(tensors, eps, heads, kv_heads, dim, scaling.pop(), rows.pop())
+    native = torch.classes.semanticache.Int4Layers(tensors, eps, heads, kv_heads, dim, scaling.pop(), rows.pop())
+    # the step's ends: the embedding row, the final norm, and a Q8_0 head (its one-row product) in the same call
+    head, empty = model.lm_head, torch.empty(0)
+    in_step = isinstance(head, GroupedInt8Linear) and head.bias is None and head.one_row
+    norm = model.model.norm
+    native.set_ends(
+        model.model.embed_tokens.weight.detach(),
+        norm.weight.detach(),
+        float(norm.variance_epsilon),
+        head.codes if in_step else empty,
+        head.scales if in_step else empty,
+    )
+    return native

@@ -486,14 +486,20 @@ def test_scripted_decoding_step_attends_kaizen_layers_as_the_python_step(tiny_ll
 
 @pytest.mark.parametrize("weights", ["int4", "int4-exact"])
 def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_tokenizer, weights):
-    """Every layer of an int4 model in one C++ call (kernels/decoder_step_cpu.cpp) gives the scripted
-    step's and the Python loop's logits exactly, over plain, merged (log s) and Kaizen-coded caches; a
-    cache with low-rank layers, which the attention kernel does not take, keeps the scripted step."""
+    """Every layer of an int4 model in one C++ call (kernels/decoder_step_cpu.cpp), with its tied Q8_0 head
+    in the same call, gives the scripted step's and the Python loop's logits exactly, over plain, merged
+    (log s) and Kaizen-coded caches; a cache with low-rank layers, which the attention kernel does not
+    take, keeps the scripted step."""
     from semanticache_rag import make_compressor
 
     if not cpu_ops.available():
         pytest.skip("the CPU kernels could not be built here")
-    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights)
+    model = copy.deepcopy(tiny_llama)
+    with torch.no_grad():  # a tied table of Q8_0 values, as the default model's: a Q8_0 head of either kind
+        model.model.embed_tokens.weight.copy_(_q8_0_weights(*model.model.embed_tokens.weight.shape, seed=11))
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, weights)
     lean = engine.model.semanticache_forward
     compressions = [("none", None, ()), ("semanticache", 0.75, ()), ("kaizen", 0.6, ("int4",))]
     compressions += [("kaizen", 0.5, ("int8",)), ("kaizen", 0.4, ("fp16",)), ("kaizen", 0.3, ("share",))]
@@ -504,6 +510,8 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
         scripted, _ = decode(cache, scripted=True)
         native, kv = decode(cache, scripted=False, native=True)
         assert lean._native is not None and isinstance(kv.step_document, torch.ScriptObject), compression
+        # the tied head is Q8_0 (either kind): the C++ step computes the logits too, in the same call
+        assert isinstance(engine.model.lm_head, GroupedInt8Linear) and lean._native.has_head()
         assert torch.equal(scripted, python) and torch.equal(native, python), (
             compression,
             options,
@@ -513,6 +521,48 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     scripted, _ = decode(cache, scripted=True)
     native, kv = decode(cache, scripted=True, native=True)
     assert kv.step_document is False and "low_rank" in kv.step_inputs[1] and torch.equal(native, scripted)
+
+
+def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_llama, tiny_tokenizer):
+    """A head that is not Q8_0 (here an untied one, which int4-exact keeps as loaded) is left to the model:
+    the C++ step gives the final hidden state and the logits are the Python loop's. A token outside the
+    vocabulary is refused with its value, not read; asking the step for logits without a head, too."""
+    from semanticache_rag import make_compressor
+    from semanticache_rag.scripted_step import kept_step_document
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    model = copy.deepcopy(tiny_llama)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() + 0.01)  # untied
+    model.config.tie_word_embeddings = False
+    engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, "int4-exact")
+    lean = engine.model.semanticache_forward
+    cache = engine.compress(prefill, make_compressor("semanticache", 0.75))
+    python, _ = decode(cache, scripted=False)
+    native, kv = decode(cache, scripted=False, native=True)
+    assert not isinstance(engine.model.lm_head, GroupedInt8Linear) and not lean._native.has_head()
+    assert torch.equal(native, python)
+    cos, sin = lean._rotation(torch.tensor([[0]]), torch.float32)
+    keys, values, length = kv.buffers(1)
+    vocabulary = engine.model.model.embed_tokens.weight.shape[0]
+    with pytest.raises(RuntimeError, match=f"token {vocabulary} is outside the vocabulary of {vocabulary}"):
+        lean._native.token_step(vocabulary, cos, sin, kept_step_document(kv), keys, values, length, False)
+    with pytest.raises(RuntimeError, match="needs a Q8_0 head"):
+        lean._native.token_step(0, cos, sin, kept_step_document(kv), keys, values, length, True)
+
+
+def test_rotation_table_rows_are_each_position_computed_alone(tiny_llama):
+    """The one-token step's RoPE rows come from a table of ROTATION_BLOCK positions; each row is, bit for
+    bit, what that position alone gives, across block edges."""
+    from semanticache_rag.fused import ROTATION_BLOCK, FusedLlama
+
+    lean = FusedLlama(tiny_llama)
+    half = lean.head_dim // 2
+    for position in [0, 1, ROTATION_BLOCK - 1, ROTATION_BLOCK, 3 * ROTATION_BLOCK + 7, 20_000, 7]:
+        cos, sin = lean._cos_sin(torch.tensor([[position]]), torch.float32)
+        sin[..., :half].neg_()
+        table_cos, table_sin = lean._rotation(torch.tensor([[position]]), torch.float32)
+        assert torch.equal(table_cos, cos.view(-1)) and torch.equal(table_sin, sin.view(-1)), position
 
 
 def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama, tiny_tokenizer):
