@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -641,3 +643,37 @@ def test_weight_formats_refuse_a_model_off_the_cpu(tiny_llama):
     model = copy.deepcopy(tiny_llama).to("meta")  # any device but the CPU: these are torch's CPU kernels
     with pytest.raises(ConfigError, match="runs on CPUs"):
         convert_weights(model, "int4")
+
+
+def test_decoding_weights_sit_in_one_block_advised_for_huge_pages(tiny_llama):
+    """The converted layers' codes, scales and minimums (and the Q8_0 head's) are copies in one block
+    (semanticache_rag.huge_pages), equal to what the conversion made, in memory advised for transparent
+    huge pages where Linux offers them."""
+    import mmap
+
+    from semanticache_rag import huge_pages
+    from semanticache_rag.weights import Int4Linear
+
+    model = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    for name in ("codes", "scales", "minimums"):  # one block per dtype
+        assert len({getattr(m, name).untyped_storage().data_ptr() for m in layers}) == 1, name
+    codes, scales = layers[0].codes, layers[0].scales
+    assert len(layers) > 4 and scales.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr()
+    torch.save(model.state_dict(), io.BytesIO())  # one type per storage: torch.save takes them
+    fresh = Int4Linear(torch.nn.Linear(96, 32, bias=False))
+    [codes, scales] = huge_pages.pack([fresh.codes, fresh.scales])
+    assert torch.equal(codes, fresh.codes) and torch.equal(scales, fresh.scales) and scales.dtype == torch.float16
+    assert codes.data_ptr() % huge_pages.PAGE == 0 and scales.data_ptr() % huge_pages.PAGE == 0
+    if hasattr(mmap, "MADV_HUGEPAGE") and Path("/proc/self/smaps").exists():
+        start = codes.data_ptr()
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                inside = low <= start < high
+            elif inside and fields[0] == "VmFlags:":
+                assert "hg" in fields[1:], line  # hg: advised for huge pages (madvise)
+                break
+        else:
+            raise AssertionError("the block's mapping is not in /proc/self/smaps")

@@ -1,0 +1,87 @@
+"""Tensors that every decoding step reads, in one block of transparent huge pages.
+
+A decoding step streams every weight of the model once. In 4 KiB pages the default model's int4 weights
+(63 MiB) are ~16,000 pages a step, each a TLB miss on its first touch, and the hardware prefetchers start
+over at every page; the weights of one layer's four products are 0.2-1 MiB each, too small for the
+kernel to give any of them huge pages of their own. Copied into one block advised for huge pages
+(``madvise(MADV_HUGEPAGE)``, 2 MiB pages on x86-64), an int4 step took 6.55 -> 6.05 ms (SemantiCache 0.9
+at 2K) and 11.3 -> 10.7 ms (full cache) on a 2-core AVX2 CPU, with the same arithmetic.
+
+Where the platform has no ``MADV_HUGEPAGE`` (not Linux) or the kernel's huge pages are off, the block
+is ordinary memory: the same tensors, the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+PAGE = 2 * 1024 * 1024  # a huge page on x86-64 (and the alignment the block starts at)
+ALIGN = 64  # each tensor starts at a cache line
+
+
+def block(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uint8 in anonymous memory advised for transparent huge pages, starting at a 2 MiB
+    boundary (ordinary memory where the advice does not exist)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # private: a shared anonymous map is shmem, whose huge pages are a setting of their own (off by default)
+    memory = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the tensor keeps it alive
+    memory.madvise(advice)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    start = -whole.data_ptr() % PAGE
+    return whole[start : start + nbytes]
+
+
+def pack(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (CPU) side by side, one :func:`block` per dtype (so that ``torch.save`` takes
+    them: it refuses one storage seen as several types), each with its dtype and shape, in their order."""
+    tensors = list(tensors)
+    copies: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        offsets, total = [], 0
+        for i in members:
+            offsets.append(total)
+            total += -(-tensors[i].numel() * tensors[i].element_size() // ALIGN) * ALIGN
+        memory = block(total)
+        for i, offset in zip(members, offsets):
+            t = tensors[i]
+            copy = memory[offset : offset + t.numel() * t.element_size()].view(dtype).view(t.shape)
+            copies[i] = copy.copy_(t)
+    return copies  # type: ignore[return-value]
+
+
+def pack_buffers(modules: Iterable[nn.Module], skip: frozenset[str] = frozenset()) -> int:
+    """Move the buffers of ``modules`` (each module's own, but those named in ``skip``) into one
+    :func:`block`; a buffer shared by several modules stays shared. Returns the bytes moved."""
+    slots: list[tuple[nn.Module, str]] = []
+    unique: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for name, buffer in module.named_buffers(recurse=False):
+            if name in skip or buffer is None or buffer.numel() == 0 or buffer.device.type != "cpu":
+                continue
+            slots.append((module, name))
+            unique.setdefault(id(buffer), buffer)
+    copies = dict(zip(unique, pack(unique.values())))
+    for module, name in slots:
+        module._buffers[name] = copies[id(module._buffers[name])]
+    return sum(t.numel() * t.element_size() for t in copies.values())
+
+
+def release_freed_memory() -> None:
+    """Give the C allocator's freed memory back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Converting the weights frees many small temporaries (and the buffers :func:`pack_buffers` copied),
+    which glibc keeps for later allocations: the default model's int4 engine held ~150-190 MB more
+    resident memory than it used (820-870 MB against 677 MB after trimming)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols, the C library's among them
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
