@@ -24,7 +24,12 @@
 // Built with the other CPU kernels into one library by kernels/cpu_ops.py.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -116,7 +121,10 @@ struct Int4Layers : torch::CustomClassHolder {
                 embedding.size(0));
     TORCH_CHECK(!head || has_head(), "token_step(head=True) needs a Q8_0 head (set_ends)");
     const at::Tensor x = step(embedding.narrow(0, token, 1), cos, sin, document, appended_keys, appended_values, length);
-    const at::Tensor normed = semanticache::rms_norm(x, final_norm, final_eps);
+    // the final norm by the ATen operations of LlamaRMSNorm (semanticache_rag/fused.py, FusedLlama._norm), in
+    // its order: the other steps' logits exactly (the layers' norms are the rms_norm kernel in every step)
+    const at::Tensor normed =
+        at::mul(final_norm, at::mul(x, at::rsqrt(at::add(at::mean(at::pow(x, 2), {-1}, true), final_eps))));
     if (!head) return normed;
     return head_scales.scalar_type() == at::kFloat ? semanticache::q8_0_product_fp32(normed, head_codes, head_scales)
                                                    : semanticache::q8_0_product(normed, head_codes, head_scales);

@@ -179,8 +179,8 @@ class FusedLlama:
         ``kernels/decoder_step_cpu.cpp``: the embedding row, the layers, the final norm and a Q8_0 head)
         where the kernels are built and the cache allows it; otherwise the layers are one TorchScript call
         (:mod:`.scripted_step`), or the Python loop below. All three compute the same operations in the
-        same order (the C++ step's RoPE and residual adds to within a rounding), the final norm by the
-        ``rms_norm`` kernel too. Each Python operation left in a step cost 5-7x its cache-warm time
+        same order (the C++ step's RoPE and residual adds to within a rounding; its final norm by the same
+        ATen operations as :meth:`_norm`). Each Python operation left in a step cost 5-7x its cache-warm time
         there (the layers' weights have just streamed through the caches): the embedding, the final
         norm and RoPE's angles took 0.45 ms of a 7 ms step on a 2-core AVX2 CPU before they moved.
         """
@@ -202,7 +202,7 @@ class FusedLlama:
             x = self._python_layers(kv, x, cos, sin)
         else:
             x = self._scripted_layers(scripted, kv, x, cos, sin)
-        x = torch.ops.semanticache.rms_norm(x.view(1, 1, -1), core.norm.weight, core.norm.variance_epsilon)
+        x = self._norm(core.norm, x.view(1, 1, -1))
         return self.model.lm_head(x) if head else x
 
     def kernel(self) -> bool:
