@@ -1,4 +1,5 @@
-// One decoding step's decoder layers of a Llama model with int4 (Q4_1) weights, in one call.
+// One decoding step of a Llama model with int4 (Q4_1) weights, in one call: its decoder layers, and with
+// the step's ends set, the embedding row before them and the final norm and a Q8_0 head after them.
 //
 // TorchScript's step (semanticache_rag/scripted_step.py) makes ~15 small tensor operations a layer
 // around the products: slices, RoPE's gather and multiply-add, the cache writes, SiLU, the residual
@@ -97,7 +98,8 @@ struct Int4Layers : torch::CustomClassHolder {
                     final_norm_.scalar_type() == at::kFloat && final_norm_.dim() == 1 &&
                     final_norm_.numel() == embedding_.size(1),
                 "the embedding must be contiguous float32 (V, hidden) and the final norm's weight float32 (hidden,), got ",
-                embedding_.sizes(), " and ", final_norm_.sizes());
+                embedding_.scalar_type(), embedding_.is_contiguous() ? " " : " non-contiguous ", embedding_.sizes(),
+                " and ", final_norm_.scalar_type(), " ", final_norm_.sizes());
     TORCH_CHECK(head_codes_.numel() == 0 || head_scales_.scalar_type() == at::kBFloat16 ||
                     head_scales_.scalar_type() == at::kFloat,
                 "the head's Q8_0 scales must be bf16 (q8_0_product) or float32 (q8_0_product_fp32), got ",

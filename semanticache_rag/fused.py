@@ -31,8 +31,10 @@ from semanticache_rag import coded_attention, scripted_step
 from semanticache_rag.attention import semanticache_attention
 
 _STATIC_ROPE = ("default", "linear", "llama3")
-# positions whose RoPE rotation a one-token step's table holds (FusedLlama._rotation): 128 KiB of fp32
+# positions whose RoPE rotation a one-token step's table holds (FusedLlama._rotation): 128 KiB of fp32;
+# tables kept, so that conversations whose steps interleave (a server's) do not remake them each step
 ROTATION_BLOCK = 256
+ROTATION_TABLES = 8
 
 
 class RowSlice(nn.Module):
@@ -96,7 +98,7 @@ class FusedLlama:
         self._scripted: torch.jit.ScriptModule | None | bool = False  # scripted at the first step (scripted_step)
         self._kernel: bool | None = None  # whether steps attend through the C++ kernel; decided at the first step
         self._native: object = False  # the C++ int4 step's weights (native_layers), made at the first step
-        self._rotations: tuple = (None, None, None)  # (block, dtype), cos and signed sin of its positions
+        self._rotations: dict = {}  # (block, dtype) -> cos and signed sin of its positions, the newest last
         # the one-token step's RMS norms (kernels/rms_norm_cpu.cpp once built: torch's costs ~26 us a row)
         from semanticache_rag.kernels import cpu_ops
 
@@ -162,15 +164,20 @@ class FusedLlama:
         Rows of a table of :data:`ROTATION_BLOCK` positions, made at once by the same operations (each value
         the one a single position gives, bit for bit: tested), so that a step makes none of them.
         """
-        position = int(position_ids.reshape(-1)[0])
-        block, row = divmod(position, ROTATION_BLOCK)
-        if self._rotations[0] != (block, dtype):
+        if position_ids.numel() != 1:
+            raise ValueError(f"a decoding step takes one position, got {position_ids.numel()}")
+        block, row = divmod(int(position_ids.reshape(-1)[0]), ROTATION_BLOCK)
+        table = self._rotations.get((block, dtype))
+        if table is None:
             first = block * ROTATION_BLOCK
             cos, sin = self._cos_sin(torch.arange(first, first + ROTATION_BLOCK)[None], dtype)
             half = sin.shape[-1] // 2
             sin[..., :half].neg_()  # rotate_half's minus sign, carried by sin
-            self._rotations = ((block, dtype), cos[0], sin[0])
-        return self._rotations[1][row], self._rotations[2][row]
+            table = (cos[0], sin[0])
+            if len(self._rotations) >= ROTATION_TABLES:  # the oldest goes (conversations interleave steps)
+                self._rotations.pop(next(iter(self._rotations)), None)
+            self._rotations[(block, dtype)] = table
+        return table[0][row], table[1][row]
 
     def step(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden).
@@ -312,7 +319,10 @@ def native_layers(model, heads: int, kv_heads: int, dim: int):
     from semanticache_rag.kernels import cpu_ops
     from semanticache_rag.weights import GroupedInt8Linear, Int4Linear
 
+    embedding = model.model.embed_tokens.weight
     if not cpu_ops.available() or model.model.norm.weight.dtype != torch.float32:
+        return None
+    if embedding.dtype != torch.float32 or not embedding.is_contiguous():  # the step copies its rows
         return None
     tensors, eps = [], []
     for layer in model.model.layers:
@@ -339,7 +349,7 @@ def native_layers(model, heads: int, kv_heads: int, dim: int):
     in_step = isinstance(head, GroupedInt8Linear) and head.bias is None and head.one_row
     norm = model.model.norm
     native.set_ends(
-        model.model.embed_tokens.weight.detach(),
+        embedding.detach(),
         norm.weight.detach(),
         float(norm.variance_epsilon),
         head.codes if in_step else empty,

@@ -1,14 +1,14 @@
-"""Tensors that every decoding step reads, in one block of transparent huge pages.
+"""Tensors that every decoding step reads, in blocks of transparent huge pages (one block per dtype).
 
 A decoding step streams every weight of the model once. In 4 KiB pages the default model's int4 weights
-(63 MiB) are ~16,000 pages a step, each a TLB miss on its first touch, and the hardware prefetchers start
-over at every page; the weights of one layer's four products are 0.2-1 MiB each, too small for the
-kernel to give any of them huge pages of their own. Copied into one block advised for huge pages
-(``madvise(MADV_HUGEPAGE)``, 2 MiB pages on x86-64), an int4 step took 6.55 -> 6.05 ms (SemantiCache 0.9
-at 2K) and 11.3 -> 10.7 ms (full cache) on a 2-core AVX2 CPU, with the same arithmetic.
+and its Q8_0 head (94 MB) are ~24,000 pages a step, each a TLB miss on its first touch, and the hardware
+prefetchers start over at every page; the weights of one layer's four products are 0.2-1 MiB each, too
+small for the kernel to give any of them huge pages of their own. Copied into blocks advised for huge
+pages (``madvise(MADV_HUGEPAGE)``, 2 MiB pages on x86-64), an int4 step took 6.75-7.1 -> 6.3-6.5 ms
+(SemantiCache 0.9 at 2K, alternating processes on a 2-core AVX2 CPU), with the same arithmetic.
 
-Where the platform has no ``MADV_HUGEPAGE`` (not Linux) or the kernel's huge pages are off, the block
-is ordinary memory: the same tensors, the same results.
+Where the platform has no ``MADV_HUGEPAGE`` (not Linux) or refuses it (a kernel without huge pages), the
+block is ordinary memory: the same tensors, the same results.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def block(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     # private: a shared anonymous map is shmem, whose huge pages are a setting of their own (off by default)
     memory = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the tensor keeps it alive
-    memory.madvise(advice)
+    try:
+        memory.madvise(advice)
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages
+        pass
     whole = torch.frombuffer(memory, dtype=torch.uint8)
     start = -whole.data_ptr() % PAGE
     return whole[start : start + nbytes]
@@ -40,7 +43,10 @@ def block(nbytes: int) -> torch.Tensor:
 
 def pack(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (CPU) side by side, one :func:`block` per dtype (so that ``torch.save`` takes
-    them: it refuses one storage seen as several types), each with its dtype and shape, in their order."""
+    them: it refuses one storage seen as several types), each with its dtype and shape, in their order.
+
+    The copies are views of their block: ``torch.save`` of one of them writes the whole block, and
+    safetensors refuses tensors that share a storage; ``.clone()`` one to save it alone."""
     tensors = list(tensors)
     copies: list[torch.Tensor | None] = [None] * len(tensors)
     for dtype in dict.fromkeys(t.dtype for t in tensors):
@@ -58,8 +64,8 @@ def pack(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def pack_buffers(modules: Iterable[nn.Module], skip: frozenset[str] = frozenset()) -> int:
-    """Move the buffers of ``modules`` (each module's own, but those named in ``skip``) into one
-    :func:`block`; a buffer shared by several modules stays shared. Returns the bytes moved."""
+    """Move the buffers of ``modules`` (each module's own, but those named in ``skip``) into blocks
+    (:func:`pack`: one per dtype); a buffer shared by several modules stays shared. Returns the bytes moved."""
     slots: list[tuple[nn.Module, str]] = []
     unique: dict[int, torch.Tensor] = {}
     for module in modules:
@@ -82,6 +88,7 @@ def release_freed_memory() -> None:
     resident memory than it used (820-870 MB against 677 MB after trimming)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols, the C library's among them
-    except (OSError, AttributeError):  # not glibc
+    except (OSError, AttributeError, TypeError):  # not glibc (Windows takes no CDLL(None) at all)
         return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)

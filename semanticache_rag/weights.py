@@ -413,7 +413,7 @@ def convert_weights(model: Any, weights: str) -> Any:
                 converted.many_rows = _NEVER
             setattr(parent, name, converted)
     _own_parameters(model)
-    # what a decoding step streams, in one block of huge pages (semanticache_rag.huge_pages); the decoded
+    # what a decoding step streams, in blocks of huge pages (semanticache_rag.huge_pages); the decoded
     # weights that reading multiplies by (``dense``) are read a chunk at a time and stay where they are
     huge_pages.pack_buffers((m for m in model.modules() if isinstance(m, _WeightOnlyLinear)), frozenset({"dense"}))
     huge_pages.release_freed_memory()

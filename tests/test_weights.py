@@ -525,10 +525,11 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     assert kv.step_document is False and "low_rank" in kv.step_inputs[1] and torch.equal(native, scripted)
 
 
-def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_llama, tiny_tokenizer):
-    """A head that is not Q8_0 (here an untied one, which int4-exact keeps as loaded) is left to the model:
-    the C++ step gives the final hidden state and the logits are the Python loop's. A token outside the
-    vocabulary is refused with its value, not read; asking the step for logits without a head, too."""
+@pytest.mark.parametrize("weights", ["int4", "int4-exact"])
+def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_llama, tiny_tokenizer, weights):
+    """A head that is not Q8_0 (here an untied one: bf16 for int4, as loaded for int4-exact) is left to the
+    model: the C++ step gives the final hidden state and the logits are the Python loop's. A token outside
+    the vocabulary is refused with its value, not read; asking the step for logits without a head, too."""
     from semanticache_rag import make_compressor
     from semanticache_rag.scripted_step import kept_step_document
 
@@ -537,11 +538,12 @@ def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_
     model = copy.deepcopy(tiny_llama)
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() + 0.01)  # untied
     model.config.tie_word_embeddings = False
-    engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, "int4-exact")
+    engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, weights)
     lean = engine.model.semanticache_forward
     cache = engine.compress(prefill, make_compressor("semanticache", 0.75))
     python, _ = decode(cache, scripted=False)
     native, kv = decode(cache, scripted=False, native=True)
+    assert isinstance(kv.step_document, torch.ScriptObject)  # the C++ step ran
     assert not isinstance(engine.model.lm_head, GroupedInt8Linear) and not lean._native.has_head()
     assert torch.equal(native, python)
     cos, sin = lean._rotation(torch.tensor([[0]]), torch.float32)
@@ -554,17 +556,23 @@ def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_
 
 
 def test_rotation_table_rows_are_each_position_computed_alone(tiny_llama):
-    """The one-token step's RoPE rows come from a table of ROTATION_BLOCK positions; each row is, bit for
-    bit, what that position alone gives, across block edges."""
-    from semanticache_rag.fused import ROTATION_BLOCK, FusedLlama
+    """The one-token step's RoPE rows come from tables of ROTATION_BLOCK positions; each row is, bit for
+    bit, what that position alone gives, across block edges, with more blocks in turn than are kept (the
+    oldest goes); a step of several positions is refused."""
+    from semanticache_rag.fused import ROTATION_BLOCK, ROTATION_TABLES, FusedLlama
 
     lean = FusedLlama(tiny_llama)
     half = lean.head_dim // 2
-    for position in [0, 1, ROTATION_BLOCK - 1, ROTATION_BLOCK, 3 * ROTATION_BLOCK + 7, 20_000, 7]:
+    positions = [0, 1, ROTATION_BLOCK - 1, ROTATION_BLOCK, 3 * ROTATION_BLOCK + 7, 20_000, 7]
+    positions += [b * ROTATION_BLOCK + 5 for b in range(ROTATION_TABLES + 3)] + [2]
+    for position in positions:
         cos, sin = lean._cos_sin(torch.tensor([[position]]), torch.float32)
         sin[..., :half].neg_()
         table_cos, table_sin = lean._rotation(torch.tensor([[position]]), torch.float32)
         assert torch.equal(table_cos, cos.view(-1)) and torch.equal(table_sin, sin.view(-1)), position
+    assert len(lean._rotations) == ROTATION_TABLES
+    with pytest.raises(ValueError, match="one position, got 2"):
+        lean._rotation(torch.tensor([[3, 4]]), torch.float32)
 
 
 def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama, tiny_tokenizer):
@@ -645,35 +653,46 @@ def test_weight_formats_refuse_a_model_off_the_cpu(tiny_llama):
         convert_weights(model, "int4")
 
 
-def test_decoding_weights_sit_in_one_block_advised_for_huge_pages(tiny_llama):
-    """The converted layers' codes, scales and minimums (and the Q8_0 head's) are copies in one block
-    (semanticache_rag.huge_pages), equal to what the conversion made, in memory advised for transparent
-    huge pages where Linux offers them."""
+def _advised_for_huge_pages(address: int) -> bool:
+    """Whether the mapping holding ``address`` carries the ``hg`` flag (madvise(MADV_HUGEPAGE)) in
+    /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line: its address range
+            low, high = (int(v, 16) for v in fields[0].split("-"))
+            inside = low <= address < high
+        elif inside and fields[0] == "VmFlags:":
+            return "hg" in fields[1:]
+    raise AssertionError(f"no mapping holds {address:#x} in /proc/self/smaps")
+
+
+def test_decoding_weights_sit_in_blocks_advised_for_huge_pages(tiny_llama):
+    """The converted layers' codes, scales and minimums, and the tied Q8_0 head's codes, are copies in
+    one block per dtype (semanticache_rag.huge_pages), equal to what the conversion made, in memory
+    advised for transparent huge pages where Linux offers them."""
     import mmap
 
     from semanticache_rag import huge_pages
     from semanticache_rag.weights import Int4Linear
 
-    model = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    model = copy.deepcopy(tiny_llama)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: a Q8_0 head
+    model.config.tie_word_embeddings = True
+    model = convert_weights(model, "int4")
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert isinstance(model.lm_head, GroupedInt8Linear) and len(layers) > 4
     for name in ("codes", "scales", "minimums"):  # one block per dtype
         assert len({getattr(m, name).untyped_storage().data_ptr() for m in layers}) == 1, name
     codes, scales = layers[0].codes, layers[0].scales
-    assert len(layers) > 4 and scales.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr()
+    assert model.lm_head.codes.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
+    assert scales.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr()
     torch.save(model.state_dict(), io.BytesIO())  # one type per storage: torch.save takes them
     fresh = Int4Linear(torch.nn.Linear(96, 32, bias=False))
-    [codes, scales] = huge_pages.pack([fresh.codes, fresh.scales])
-    assert torch.equal(codes, fresh.codes) and torch.equal(scales, fresh.scales) and scales.dtype == torch.float16
-    assert codes.data_ptr() % huge_pages.PAGE == 0 and scales.data_ptr() % huge_pages.PAGE == 0
+    [fresh_codes, fresh_scales] = huge_pages.pack([fresh.codes, fresh.scales])
+    assert torch.equal(fresh_codes, fresh.codes) and torch.equal(fresh_scales, fresh.scales)
+    assert fresh_scales.dtype == torch.float16 and fresh_scales.shape == fresh.scales.shape
     if hasattr(mmap, "MADV_HUGEPAGE") and Path("/proc/self/smaps").exists():
-        start = codes.data_ptr()
-        for line in Path("/proc/self/smaps").read_text().splitlines():
-            fields = line.split()
-            if "-" in fields[0] and ":" not in fields[0]:
-                low, high = (int(v, 16) for v in fields[0].split("-"))
-                inside = low <= start < high
-            elif inside and fields[0] == "VmFlags:":
-                assert "hg" in fields[1:], line  # hg: advised for huge pages (madvise)
-                break
-        else:
-            raise AssertionError("the block's mapping is not in /proc/self/smaps")
+        assert fresh_codes.data_ptr() % huge_pages.PAGE == 0 and fresh_scales.data_ptr() % huge_pages.PAGE == 0
+        for tensor in (codes, scales, model.lm_head.scales):  # the model's own blocks
+            assert _advised_for_huge_pages(tensor.untyped_storage().data_ptr()), tensor.dtype
