@@ -347,21 +347,28 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
         }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
         if (rows == 1) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
+          // both halves in one loop: four FMA chains at once (two waited on each other's 5-cycle latency),
+          // each chain's order as it was, so the sums are the same bit for bit
           const float* row = input + g * GROUP;
           const __m256i mask = _mm256_set1_epi32(15);
-          for (int64_t h = 0; h < 2; ++h) {
-            __m256 even = _mm256_setzero_ps(), odd = even;
-            for (int64_t o = 0; o < GROUP / 8; ++o) {
-              const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32 * h));
-              for (int t = 0; t < 4; ++t) {
-                const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * t), mask));
-                const __m256 high = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * t + 4), mask));
-                even = _mm256_fmadd_ps(low, _mm256_set1_ps(row[8 * o + t]), even);
-                odd = _mm256_fmadd_ps(high, _mm256_set1_ps(row[8 * o + 4 + t]), odd);
+          __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {even[0], even[0]};
+          for (int64_t o = 0; o < GROUP / 8; ++o) {
+            const __m256i bytes[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o)),
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32))};
+            for (int t = 0; t < 4; ++t) {
+              const __m256 x_low = _mm256_set1_ps(row[8 * o + t]), x_high = _mm256_set1_ps(row[8 * o + 4 + t]);
+              for (int64_t h = 0; h < 2; ++h) {
+                const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * t), mask));
+                const __m256 high =
+                    _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * t + 4), mask));
+                even[h] = _mm256_fmadd_ps(low, x_low, even[h]);
+                odd[h] = _mm256_fmadd_ps(high, x_high, odd[h]);
               }
             }
+          }
+          for (int64_t h = 0; h < 2; ++h) {
             float* total = totals.data() + 8 * h;
-            const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even, odd), _mm256_loadu_ps(total));
+            const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even[h], odd[h]), _mm256_loadu_ps(total));
             _mm256_storeu_ps(total, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(sums[g]), t));
           }
           continue;
@@ -386,16 +393,21 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
           const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(total));
           _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-          for (int64_t h = 0; h < 2; ++h) {  // the one-row path's arithmetic
-            __m256 even = _mm256_setzero_ps(), odd = even;
-            for (int64_t o = 0; o < GROUP / 8; ++o) {
-              for (int64_t t = 0; t < 4; ++t) {
-                const int64_t k = 8 * o + t;
-                even = _mm256_fmadd_ps(_mm256_load_ps(tile[k] + 8 * h), _mm256_set1_ps(row[k]), even);
-                odd = _mm256_fmadd_ps(_mm256_load_ps(tile[k + 4] + 8 * h), _mm256_set1_ps(row[k + 4]), odd);
+          // the one-row path's arithmetic, its four chains at once too
+          __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {even[0], even[0]};
+          for (int64_t o = 0; o < GROUP / 8; ++o) {
+            for (int64_t t = 0; t < 4; ++t) {
+              const int64_t k = 8 * o + t;
+              const __m256 x_low = _mm256_set1_ps(row[k]), x_high = _mm256_set1_ps(row[k + 4]);
+              for (int64_t h = 0; h < 2; ++h) {
+                even[h] = _mm256_fmadd_ps(_mm256_load_ps(tile[k] + 8 * h), x_low, even[h]);
+                odd[h] = _mm256_fmadd_ps(_mm256_load_ps(tile[k + 4] + 8 * h), x_high, odd[h]);
               }
             }
-            const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even, odd), _mm256_loadu_ps(total + 8 * h));
+          }
+          for (int64_t h = 0; h < 2; ++h) {
+            const __m256 t =
+                _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even[h], odd[h]), _mm256_loadu_ps(total + 8 * h));
             _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(row_sum), t));
           }
 #else
@@ -644,19 +656,23 @@ at::Tensor semanticache::q8_0_product_fp32(const at::Tensor& x, const at::Tensor
           const uint8_t* quads = c + (b * in_features + g * GROUP) * OUTPUTS;
           for (int64_t line = 0; line < 8; ++line) __builtin_prefetch(quads + PREFETCH + 64 * line);
           const float* input = row + g * GROUP;
-          for (int64_t h = 0; h < 2; ++h) {
-            __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t q = 0; q < GROUP / 4; ++q) {
+          __m256 sums[2][4];  // both halves' four chains at once, each in its order
+          for (int64_t h = 0; h < 2; ++h)
+            for (int t = 0; t < 4; ++t) sums[h][t] = _mm256_setzero_ps();
+          for (int64_t q = 0; q < GROUP / 4; ++q) {
+            for (int64_t h = 0; h < 2; ++h) {
               const __m256i bytes =
                   _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + 64 * q + 32 * h)), flip);
               const __m256i lanes[4] = {_mm256_srai_epi32(_mm256_slli_epi32(bytes, 24), 24),
                                         _mm256_srai_epi32(_mm256_slli_epi32(bytes, 16), 24),
                                         _mm256_srai_epi32(_mm256_slli_epi32(bytes, 8), 24), _mm256_srai_epi32(bytes, 24)};
               for (int t = 0; t < 4; ++t) {
-                sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[t]), _mm256_set1_ps(input[4 * q + t]), sums[t]);
+                sums[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[t]), _mm256_set1_ps(input[4 * q + t]), sums[h][t]);
               }
             }
-            const __m256 sum = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3]));
+          }
+          for (int64_t h = 0; h < 2; ++h) {
+            const __m256 sum = _mm256_add_ps(_mm256_add_ps(sums[h][0], sums[h][1]), _mm256_add_ps(sums[h][2], sums[h][3]));
             total[h] = _mm256_fmadd_ps(_mm256_loadu_ps(s + (b * groups + g) * OUTPUTS + 8 * h), sum, total[h]);
           }
         }
