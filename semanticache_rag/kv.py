@@ -161,6 +161,13 @@ class QuantizedTensor:
             codes = torch.stack([(words >> shift) & 255 for shift in (0, 8, 16)], dim=-1).to(torch.uint8).flatten(-2)
         return cls(codes, scales, minimums, bits, x.dtype)
 
+    def take(self, index: torch.Tensor) -> QuantizedTensor:
+        """The entries ``index`` (along the second-to-last dimension), still coded."""
+        codes, scales, minimums = (
+            t.index_select(-2, index.to(t.device)) for t in (self.codes, self.scales, self.minimums)
+        )
+        return QuantizedTensor(codes, scales, minimums, self.bits, self.dtype)
+
     def unpacked(self) -> torch.Tensor:
         """The codes one per channel (1, H, L, D) uint8."""
         codes = self.codes

@@ -117,14 +117,16 @@ def test_chat_answers_end_instead_of_looping(engine, cyrguide):
     assert "1489" in first.answer and "LH fonts" in second.answer and "koi8-r" not in second.answer
 
 
-@pytest.mark.parametrize("summary", ["cores", "spans"])
-def test_sekv_expanding_every_span_answers_as_the_full_cache(engine, planted_prefill, planted, summary):
+@pytest.mark.parametrize("summary,host_copy", [("cores", "rank"), ("spans", "rank"), ("cores", "int8")])
+def test_sekv_expanding_every_span_answers_as_the_full_cache(engine, planted_prefill, planted, summary, host_copy):
     from semanticache_rag import SeKVCompressor
 
     prefill, question, _ = planted_prefill
     full = engine.ask(planted[0], question, max_new_tokens=24)
-    # rank 64 = head dim: every span is rebuilt exactly; the zoom budget covers the whole document
-    cache = engine.compress(prefill, SeKVCompressor(0.5, zoom_tokens=10_000, rank=64, summary=summary))
+    # rank 64 = head dim: every span is rebuilt exactly (int8 codes: within half a code step); the zoom budget
+    # covers the whole document
+    compressor = SeKVCompressor(0.5, zoom_tokens=10_000, host_copy=host_copy, rank=64, summary=summary)
+    cache = engine.compress(prefill, compressor)
     answer = engine.ask(cache, question, max_new_tokens=24)
     assert answer.completion_ids == full.completion_ids
     if summary == "spans":

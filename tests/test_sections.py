@@ -292,7 +292,7 @@ def _plain_and_exact_sekv(tiny_llama, tiny_tokenizer, long_text, summary):
     same sections fit either way)."""
     from semanticache_rag import SeKVCompressor
 
-    exact = SeKVCompressor(0.5, zoom_tokens=100_000, rank=16, summary=summary)
+    exact = SeKVCompressor(0.5, zoom_tokens=100_000, host_copy="rank", rank=16, summary=summary)
     read = {}
     for name, compressor in (("plain", None), ("sekv", exact)):
         engine = Engine(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -70,7 +71,8 @@ def test_every_span_rebuilt_at_full_rank_gives_the_full_cache_answer(engine, doc
     full = engine.ask(_read(engine, document_text, NoCompression()), question, max_new_tokens=12)
     # head_dim is 16: rank 16 is exact; a zoom budget of the whole document expands every span (every chunk
     # with a merged core)
-    cache = _read(engine, document_text, SeKVCompressor(0.5, zoom_tokens=10_000, rank=16, summary=summary))
+    compressor = SeKVCompressor(0.5, zoom_tokens=10_000, host_copy="rank", rank=16, summary=summary)
+    cache = _read(engine, document_text, compressor)
     answer = engine.ask(cache, question, max_new_tokens=12)
     assert answer.completion_ids == full.completion_ids
     rebuilt = cache.zoom.length > 1 if summary == "spans" else cache.zoom.merged
@@ -97,8 +99,10 @@ def test_no_zoom_budget_answers_from_the_summary_alone(engine, document_text):
     assert answer.tokens_reconstructed == 0 and answer.spans_expanded == 0
 
 
-def test_span_index_state_dict_round_trip(engine, document_text):
-    cache = _read(engine, document_text, SeKVCompressor(0.75, zoom_tokens=64, rank=4, summary="spans"))
+@pytest.mark.parametrize("host_copy", ["int8", "int4", "rank"])
+def test_span_index_state_dict_round_trip(engine, document_text, host_copy):
+    compressor = SeKVCompressor(0.75, zoom_tokens=64, host_copy=host_copy, rank=4, summary="spans")
+    cache = _read(engine, document_text, compressor)
     state = cache.zoom.state_dict()
     assert all(isinstance(t, torch.Tensor) for t in state.values())
     again = SpanIndex.from_state_dict(state)
@@ -108,6 +112,40 @@ def test_span_index_state_dict_round_trip(engine, document_text):
     ):
         assert torch.equal(a, b)
     assert again.nbytes == cache.zoom.nbytes
+    del state["0.values." + ("right" if host_copy == "rank" else "codes")]
+    with pytest.raises(ValueError, match="lacks '0.values"):
+        SpanIndex.from_state_dict(state)
+
+
+@pytest.mark.parametrize("summary", ["spans", "cores"])
+def test_coded_host_copy_rebuilds_every_token_within_its_codes_bound(engine, document_text, summary):
+    """int8/int4 copies give back each span token within half a code step of it, in fewer bytes than the
+    tokens (and the int4 copy in fewer than the int8 one); the rank copy of the same spans is further off."""
+    prefill = engine.prefill(document_text, progress=False, surprisal=True)
+    full = engine.compress(prefill, NoCompression())
+    stacked = [torch.stack([getattr(layer, name)[0] for layer in full.layers]) for name in ("keys", "values")]
+    errors, host = {}, {}
+    for host_copy in ("int8", "int4", "rank"):
+        compressor = SeKVCompressor(0.75, host_copy=host_copy, rank=4, summary=summary)
+        index = engine.compress(prefill, compressor).zoom
+        spans = index if summary == "spans" else index.chunks
+        selected = (spans.length > 1).nonzero()[:, 0]
+        rebuilt = spans.reconstruct(selected, "cpu", torch.float32)
+        spans_of = [(s, n) for s, n in zip(spans.start[selected].tolist(), spans.length[selected].tolist())]
+        # reconstruct gives the tokens bucket by bucket (spans of width 2, 4, 8, ... tokens), spans in order
+        order = torch.cat([torch.arange(s, s + n) for w in spans.widths for s, n in spans_of if _width(n) == w])
+        assert order.numel() == rebuilt[0].shape[2] == sum(n for _, n in spans_of)
+        errors[host_copy] = max(
+            float((r - x[:, :, order]).abs().max() / x.abs().max()) for r, x in zip(rebuilt, stacked)
+        )
+        host[host_copy] = spans.nbytes
+    assert errors["int8"] <= 1 / 255 and errors["int4"] <= 1 / 15  # half a code step of the group's range
+    assert errors["int8"] < errors["int4"] < errors["rank"]
+    assert host["int4"] < host["int8"] < host["rank"]
+
+
+def _width(length: int) -> int:
+    return 2 ** math.ceil(math.log2(length))
 
 
 def test_ratio_zero_keeps_every_token(engine, document_text):
@@ -122,6 +160,7 @@ def test_ratio_zero_keeps_every_token(engine, document_text):
         ({"zoom_tokens": -1}, "zoom_tokens"),
         ({"zoom_share": 1.0}, "zoom_share"),
         ({"rank": 0}, "rank"),
+        ({"host_copy": "int2"}, "host_copy must be one of"),
         ({"anchor_unit": "span"}, "anchor_unit must be one of"),
         ({"max_word_tokens": 0}, "max_word_tokens"),
     ],
