@@ -1,9 +1,10 @@
 """How long compression takes against the read it follows, for every compressor the engine offers.
 
 The speed benchmark (``benchmarks/speed.py``) times compression for the caches it decodes; this one
-adds SeKV (whose span copies are factored at compression) and times every compressor at each ratio
-on the same reads: the default model, the GPL-3 text of the follow-up benchmark cut to each length,
-one read per length (with token surprisal, which the anchors need), then each compressor on it.
+adds SeKV (whose span copies are coded at compression, or factored with ``host_copy="rank"``: the
+``sekv-rank`` rows) and times every compressor at each ratio on the same reads: the default model, the
+GPL-3 text of the follow-up benchmark cut to each length, one read per length (with token surprisal,
+which the anchors need), then each compressor on it.
 
     python -m benchmarks.compression_share [--lengths 2000 7000] [--weights int4] [--out DIR]
 
@@ -23,7 +24,9 @@ from benchmarks.report import environment
 from semanticache_rag import Engine, make_compressor
 
 RESULTS = Path(__file__).parent / "results" / "speed"
-COMPRESSORS = ("semanticache", "kaizen", "kaizen+semanticache", "sekv")
+COMPRESSORS = ("semanticache", "kaizen", "kaizen+semanticache", "sekv", "sekv-rank")
+# rows that are a registered compressor with other options: SeKV with its own rank-16 host copy
+VARIANTS = {"sekv-rank": ("sekv", {"host_copy": "rank"})}
 RATIOS = (0.5, 0.75, 0.9)
 
 
@@ -34,7 +37,8 @@ def measure(lengths: list[int], weights: str) -> list[dict]:
         prefill = engine.prefill(real_document(engine.tokenizer, tokens), surprisal=True)
         for name in COMPRESSORS:
             for ratio in RATIOS:
-                cache = engine.compress(prefill, make_compressor(name, ratio))
+                registered, options = VARIANTS.get(name, (name, {}))
+                cache = engine.compress(prefill, make_compressor(registered, ratio, **options))
                 row = {
                     "compressor": name,
                     "ratio": ratio,

@@ -70,6 +70,7 @@ SEKV_ABLATIONS = {
     "sekv-token-no-digits": {"summary": "spans", "anchor_unit": "token", "protect_digits": False},
     "sekv-zoom-0.5": {"summary": "spans", "zoom_share": 0.5},  # half the device budget rebuilt per question
     "sekv-spans": {"summary": "spans"},  # one mean entry per surprisal-bounded span (the default before cores)
+    "sekv-rank": {"host_copy": "rank"},  # SeKV's own rank-16 host copy (the default before int8 codes)
 }
 ALL_METHODS = OUR_METHODS + tuple(ABLATIONS) + tuple(SEKV_ABLATIONS) + tuple(KAIZEN_ABLATIONS)
 
