@@ -6,12 +6,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <vector>
 
 namespace semanticache {
 
 // kernels/rms_norm_cpu.cpp: x * (1 / sqrt(mean(x^2) + eps)) * weight, per row
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rms_norm_row(const float* row, const float* weight, double eps, int64_t dim, float* out);  // one float32 row
 
 // kernels/int4_weights_cpu.cpp: x (rows, in) float32 times Q4_1 weights in their layout, (rows, out)
 at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -20,6 +23,31 @@ at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::
 // kernels/int4_weights_cpu.cpp: the same product in fp32 arithmetic, the rows unquantised
 at::Tensor q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& minimums);
+
+// The two products in parts, for a caller that runs its own threads: the weights viewed (and checked)
+// once, the rows prepared once, then each thread computes its share of the output blocks (16 outputs
+// each), each block as the products compute it, bit for bit.
+struct Q4Weights {
+  const uint8_t* codes;
+  const uint16_t* scales;     // fp16 bits
+  const uint16_t* minimums;   // fp16 bits
+  int64_t blocks, in_features;  // out = 16 * blocks
+};
+Q4Weights q4_1_weights(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& minimums);
+
+// Rows quantised to Q8_0, as q4_1_product takes them: codes (rows, in), and per row and group of 32 its
+// scale, the sum of its codes and the sum of the fp32 inputs.
+struct QuantisedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+  std::vector<int32_t> code_sums;
+};
+void quantise_rows(const float* x, int64_t rows, int64_t in_features, QuantisedRows& q);  // q resized, reused
+void q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64_t rows, float* out, int64_t first, int64_t last);
+
+void input_sums(const float* x, int64_t rows, int64_t in_features, float* sums);  // (rows, in / 32)
+void q4_1_blocks_fp32(const Q4Weights& w, const float* x, int64_t rows, const float* sums, float* out, int64_t first,
+                      int64_t last);
 
 // kernels/int4_weights_cpu.cpp: x (rows, in) float32 times Q8_0 weights (codes in their layout, bf16
 // scales), the rows quantised to Q8_0 too; q8_0_product_fp32: fp32 scales, the rows as they are
@@ -34,5 +62,29 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                             const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
                             const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
                             const at::Tensor& new_values);
+
+// kernels/decode_attention_cpu.cpp: decode_attention in parts, for a caller that runs its own threads.
+// Made (its arguments checked) before the threads start, for `threads` threads as decode_attention counts
+// them (the blocks' bounds depend on it); then each task runs once, on any thread (next() hands them out
+// in turn), and merge() gives decode_attention's result bit for bit. The appended rows are the first
+// `appended` of new_keys / new_values (H_kv, >= appended, D).
+class AttentionTasks {
+ public:
+  AttentionTasks(int64_t group, int64_t dim, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
+                 const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
+                 const std::optional<at::Tensor>& value_scales, const std::optional<at::Tensor>& value_minimums,
+                 int64_t value_bits, const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
+                 const at::Tensor& new_values, int64_t appended, int64_t threads);
+  AttentionTasks(AttentionTasks&&) noexcept;
+  ~AttentionTasks();
+  int64_t tasks() const;
+  int64_t next();                             // the next task to run; tasks() or more: none left
+  void run(int64_t task, const float* query);  // query (H_kv, G, D)
+  void merge(float* out) const;               // (H_kv, G, D)
+
+ private:
+  struct Plan;
+  std::unique_ptr<Plan> plan;
+};
 
 }  // namespace semanticache

@@ -15,7 +15,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros_like.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
@@ -335,13 +335,13 @@ struct Rows {
   }
 };
 
-Rows plain_rows(const at::Tensor& t) {
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, "rows must be (H, L, D) with contiguous D, got ", t.sizes(),
-              " strides ", t.strides());
+Rows plain_rows(const at::Tensor& t) {  // (H, L, D), or (1, H, L, D) (the appended buffers as a step holds them)
+  TORCH_CHECK((t.dim() == 3 || (t.dim() == 4 && t.size(0) == 1)) && t.stride(-1) == 1,
+              "rows must be (H, L, D) with contiguous D, got ", t.sizes(), " strides ", t.strides());
   Rows rows;
   rows.data = static_cast<const uint8_t*>(t.data_ptr());
-  rows.head_stride = t.stride(0) * t.element_size();
-  rows.row_stride = t.stride(1) * t.element_size();
+  rows.head_stride = t.stride(-3) * t.element_size();
+  rows.row_stride = t.stride(-2) * t.element_size();
   if (t.scalar_type() == at::kFloat) {
     rows.format = Format::fp32;
   } else {
@@ -539,83 +539,102 @@ void attend(int64_t dim, const float* query, int64_t group, const Rows& keys, co
 
 }  // namespace
 
-at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
-                            const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
-                            const std::optional<at::Tensor>& value_scales,
-                            const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
-                            const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
-                            const at::Tensor& new_values) {
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 &&
-                  query.is_contiguous(),
-              "query must be a contiguous (H_kv, G, D) float32 CPU tensor, got ", query.sizes());
-  const int64_t heads = query.size(0), group = query.size(1), dim = query.size(2);
+// The tasks of one token's attention: per head, blocks of the document, then one block of appended tokens,
+// each with its running state (per query head the maximum, the sum and the output: G * (D + 2) floats).
+struct semanticache::AttentionTasks::Plan {
+  Rows doc_keys, doc_values, tail_keys, tail_values;
+  const float* bias = nullptr;
+  int64_t bias_stride = 0, heads = 0, group = 0, dim = 0, length = 0, appended = 0;
+  int64_t entries = 0, doc_blocks = 0, blocks = 0, count = 0, width = 0;
+  std::vector<float> state;
+  std::atomic<int64_t> next{0};
+};
+
+semanticache::AttentionTasks::AttentionTasks(int64_t group, int64_t dim, const at::Tensor& keys,
+                                             const std::optional<at::Tensor>& key_scales,
+                                             const std::optional<at::Tensor>& key_minimums, int64_t key_bits,
+                                             const at::Tensor& values, const std::optional<at::Tensor>& value_scales,
+                                             const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
+                                             const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
+                                             const at::Tensor& new_values, int64_t appended, int64_t threads)
+    : plan(std::make_unique<Plan>()) {
   TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256,
               "head dim must be 16, 32, 64, 128 or 256, got ", dim);
-  TORCH_CHECK(group <= MAX_GROUP, "at most ", MAX_GROUP, " query heads per kv head, got ", group);
-  const int64_t length = keys.size(1), appended = new_keys.size(1);
-  TORCH_CHECK(keys.size(0) == heads && values.size(0) == heads && values.size(1) == length,
+  TORCH_CHECK(group >= 1 && group <= MAX_GROUP, "1 to ", MAX_GROUP, " query heads per kv head, got ", group);
+  const int64_t heads = keys.size(0), length = keys.size(1);
+  TORCH_CHECK(values.size(0) == heads && values.size(1) == length,
               "document keys and values must be (H_kv, L, ...) with H_kv = ", heads);
-  TORCH_CHECK(new_keys.scalar_type() == at::kFloat && new_values.scalar_type() == at::kFloat &&
-                  new_keys.sizes() == new_values.sizes() && new_keys.size(0) == heads && new_keys.size(2) == dim,
-              "appended keys and values must be (H_kv, T, D) float32");
-  const Rows doc_keys = stored_rows(keys, key_scales, key_minimums, key_bits, dim);
-  const Rows doc_values = stored_rows(values, value_scales, value_minimums, value_bits, dim);
-  const Rows tail_keys = plain_rows(new_keys), tail_values = plain_rows(new_values);
-  const float* bias_data = nullptr;
-  int64_t bias_stride = 0;
+  TORCH_CHECK(new_keys.scalar_type() == at::kFloat && new_values.scalar_type() == at::kFloat && new_keys.dim() >= 3 &&
+                  new_keys.sizes() == new_values.sizes() && new_keys.size(-3) == heads && new_keys.size(-1) == dim &&
+                  appended >= 0 && appended <= new_keys.size(-2),
+              "appended keys and values must be (H_kv, >= ", appended, ", D) float32");
+  Plan& p = *plan;
+  p.doc_keys = stored_rows(keys, key_scales, key_minimums, key_bits, dim);
+  p.doc_values = stored_rows(values, value_scales, value_minimums, value_bits, dim);
+  p.tail_keys = plain_rows(new_keys);
+  p.tail_values = plain_rows(new_values);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 2 && bias->size(0) == heads &&
                     bias->size(1) == length && bias->stride(1) == 1,
                 "bias must be (H_kv, L) float32 with contiguous rows");
-    bias_data = bias->data_ptr<float>();
-    bias_stride = bias->stride(0);
+    p.bias = bias->data_ptr<float>();
+    p.bias_stride = bias->stride(0);
   }
-  // Tasks: per head, blocks of the document, then one block of appended tokens. At most ENTRIES_PER_TASK
-  // entries a block, and at least two blocks for each thread where the document has MIN_ENTRIES_PER_TASK
-  // entries for each: a compressed document's 200-500 entries a head in one block each left one of 2
-  // threads with two of 3 heads' blocks (the blocks' bounds depend on the thread count, and so does the
-  // rounding of the merged result).
-  const int64_t threads = at::get_num_threads();
+  // At most ENTRIES_PER_TASK entries a block, and at least two blocks for each thread where the document
+  // has MIN_ENTRIES_PER_TASK entries for each: a compressed document's 200-500 entries a head in one block
+  // each left one of 2 threads with two of 3 heads' blocks (the blocks' bounds depend on the thread
+  // count, and so does the rounding of the merged result).
   const int64_t wanted = std::max((length + ENTRIES_PER_TASK - 1) / ENTRIES_PER_TASK, (2 * threads + heads - 1) / heads);
   const int64_t per_head = std::max<int64_t>(1, std::min(wanted, length / MIN_ENTRIES_PER_TASK));
-  const int64_t entries = std::max<int64_t>(1, (length + per_head - 1) / per_head);
-  const int64_t doc_blocks = (length + entries - 1) / entries;
-  const int64_t blocks = doc_blocks + 1, tasks = heads * blocks, width = group * (dim + 2);
-  std::vector<float> state(tasks * width);
-  const float* q = query.data_ptr<float>();
-  // Threads take tasks in turn, the document's blocks first (the appended tokens' are small), so that no
-  // thread waits while another still has two blocks.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
-    for (int64_t order = next++; order < tasks; order = next++) {
-      const int64_t head = order < heads * doc_blocks ? order / doc_blocks : order - heads * doc_blocks;
-      const int64_t block = order < heads * doc_blocks ? order % doc_blocks : doc_blocks;
-      const int64_t task = head * blocks + block;
-      float* base = state.data() + task * width;
-      Partial partial{base, base + group, base + 2 * group};
-      std::fill(partial.maximum, partial.maximum + group, -INFINITY);
-      std::fill(partial.total, partial.total + group * (dim + 1), 0.0f);
-      const float* head_query = q + head * group * dim;
-      if (block < doc_blocks) {
-        const int64_t begin = block * entries, end = std::min(length, begin + entries);
-        const float* head_bias = bias_data == nullptr ? nullptr : bias_data + head * bias_stride;
-        attend(dim, head_query, group, doc_keys, doc_values, head_bias, head, begin, end, partial);
-      } else {
-        attend(dim, head_query, group, tail_keys, tail_values, nullptr, head, 0, appended, partial);
-      }
-    }
-  });
-  // -- merge the blocks of each head by their log-sum-exp
-  at::Tensor out = at::zeros_like(query);
-  float* o = out.data_ptr<float>();
-  for (int64_t head = 0; head < heads; ++head) {
+  p.entries = std::max<int64_t>(1, (length + per_head - 1) / per_head);
+  p.doc_blocks = (length + p.entries - 1) / p.entries;
+  p.blocks = p.doc_blocks + 1;
+  p.count = heads * p.blocks;
+  p.width = group * (dim + 2);
+  p.heads = heads, p.group = group, p.dim = dim, p.length = length, p.appended = appended;
+  p.state.resize(p.count * p.width);
+}
+
+semanticache::AttentionTasks::AttentionTasks(AttentionTasks&&) noexcept = default;
+semanticache::AttentionTasks::~AttentionTasks() = default;
+
+int64_t semanticache::AttentionTasks::tasks() const { return plan->count; }
+
+// Tasks go in turn, the document's blocks first (the appended tokens' are small), so that no thread waits
+// while another still has two blocks.
+int64_t semanticache::AttentionTasks::next() { return plan->next++; }
+
+void semanticache::AttentionTasks::run(int64_t order, const float* query) {
+  const Plan& p = *plan;
+  const int64_t head = order < p.heads * p.doc_blocks ? order / p.doc_blocks : order - p.heads * p.doc_blocks;
+  const int64_t block = order < p.heads * p.doc_blocks ? order % p.doc_blocks : p.doc_blocks;
+  float* base = plan->state.data() + (head * p.blocks + block) * p.width;
+  Partial partial{base, base + p.group, base + 2 * p.group};
+  std::fill(partial.maximum, partial.maximum + p.group, -INFINITY);
+  std::fill(partial.total, partial.total + p.group * (p.dim + 1), 0.0f);
+  const float* head_query = query + head * p.group * p.dim;
+  if (block < p.doc_blocks) {
+    const int64_t begin = block * p.entries, end = std::min(p.length, begin + p.entries);
+    const float* head_bias = p.bias == nullptr ? nullptr : p.bias + head * p.bias_stride;
+    attend(p.dim, head_query, p.group, p.doc_keys, p.doc_values, head_bias, head, begin, end, partial);
+  } else {
+    attend(p.dim, head_query, p.group, p.tail_keys, p.tail_values, nullptr, head, 0, p.appended, partial);
+  }
+}
+
+// -- merge the blocks of each head by their log-sum-exp, into out (H_kv, G, D)
+void semanticache::AttentionTasks::merge(float* out) const {
+  const Plan& p = *plan;
+  const int64_t group = p.group, dim = p.dim, blocks = p.blocks, width = p.width;
+  std::fill(out, out + p.heads * group * dim, 0.0f);
+  for (int64_t head = 0; head < p.heads; ++head) {
     for (int64_t g = 0; g < group; ++g) {
       float top = -INFINITY;
-      for (int64_t b = 0; b < blocks; ++b) top = std::max(top, state[(head * blocks + b) * width + g]);
+      for (int64_t b = 0; b < blocks; ++b) top = std::max(top, p.state[(head * blocks + b) * width + g]);
       float total = 0.0f;
-      float* target = o + (head * group + g) * dim;
+      float* target = out + (head * group + g) * dim;
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* base = state.data() + (head * blocks + b) * width;
+        const float* base = p.state.data() + (head * blocks + b) * width;
         if (base[g] == -INFINITY) continue;
         const float weight = std::exp(base[g] - top);
         total += weight * base[group + g];
@@ -625,6 +644,28 @@ at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Ten
       for (int64_t d = 0; d < dim; ++d) target[d] /= total;
     }
   }
+}
+
+at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
+                            const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
+                            const std::optional<at::Tensor>& value_scales,
+                            const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
+                            const at::Tensor& new_values) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 &&
+                  query.is_contiguous(),
+              "query must be a contiguous (H_kv, G, D) float32 CPU tensor, got ", query.sizes());
+  TORCH_CHECK(keys.dim() == 3 && keys.size(0) == query.size(0), "document keys must be (H_kv, L, ...) with H_kv = ",
+              query.size(0));
+  const int64_t threads = at::get_num_threads();
+  AttentionTasks attention(query.size(1), query.size(2), keys, key_scales, key_minimums, key_bits, values, value_scales,
+                           value_minimums, value_bits, bias, new_keys, new_values, new_keys.size(1), threads);
+  const float* q = query.data_ptr<float>();
+  at::parallel_for(0, std::min(threads, attention.tasks()), 1, [&](int64_t, int64_t) {
+    for (int64_t task = attention.next(); task < attention.tasks(); task = attention.next()) attention.run(task, q);
+  });
+  at::Tensor out = at::empty_like(query);
+  attention.merge(out.data_ptr<float>());
   return out;
 }
 

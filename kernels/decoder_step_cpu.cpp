@@ -31,12 +31,17 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rsqrt.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/silu.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -134,10 +139,17 @@ struct Int4Layers : torch::CustomClassHolder {
 
   // x (1, hidden) float32 after every layer for one new token at RoPE's cos and signed sin (D,); its key
   // and value are written at `length` of each layer's appended buffers (1, H_kv, capacity, D).
+  //
+  // The whole step is one parallel region: torch's threads meet at barriers between the phases of a layer
+  // instead of starting a region (and allocating an output) for each of its four products and its
+  // attention. Each thread keeps its own copy of the residual stream and makes the small row operations
+  // (norms, the rows' Q8_0 codes or group sums, RoPE of the query, the attention's merge) itself, the same
+  // arithmetic on the same inputs in every thread; the products' output blocks and the attention's tasks
+  // are shared out. Everything it reads is checked before the region starts: nothing may throw inside it.
   at::Tensor step(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                   const c10::intrusive_ptr<StepDocument>& document, const std::vector<at::Tensor>& appended_keys,
                   const std::vector<at::Tensor>& appended_values, int64_t length) const {
-    const int64_t count = layers(), group = heads / kv_heads, q_size = heads * dim, kv_size = kv_heads * dim;
+    const int64_t count = layers(), q_size = heads * dim, kv_size = kv_heads * dim;
     TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) == 1,
                 "x must be one float32 row (1, hidden), got ", x_in.sizes());
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == dim &&
@@ -147,74 +159,171 @@ struct Int4Layers : torch::CustomClassHolder {
                     static_cast<int64_t>(appended_values.size()) == count,
                 "the document and the appended buffers must have ", count, " layers each");
     at::Tensor x = x_in.contiguous().clone();
-    float* residual = x.data_ptr<float>();
-    const int64_t hidden = x.size(1);
+    const int64_t hidden = x.size(1), threads = std::max<int64_t>(1, at::get_num_threads());
+    std::vector<LayerPlan> plan;
+    plan.reserve(count);
+    for (int64_t l = 0; l < count; ++l) plan.push_back(layer_plan(l, hidden, *document, appended_keys[l], appended_values[l], length, threads));
+    int64_t inner = 0;
+    for (const LayerPlan& p : plan) inner = std::max(inner, p.gate_up.blocks * 8);
+    // shared: the products' outputs (their blocks written by the threads), the SiLU's
+    std::vector<float> qkv(q_size + 2 * kv_size), projected(hidden), gate_up(2 * inner), activated(inner), down(hidden);
+    float* result = x.data_ptr<float>();
     const float* c = cos.data_ptr<float>();
     const float* s = sin.data_ptr<float>();
-    const int64_t half = dim / 2;
-    const float scale = static_cast<float>(scaling);
-    for (int64_t l = 0; l < count; ++l) {
-      const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
-      const at::Tensor& keys_buffer = appended_keys[l];
-      const at::Tensor& values_buffer = appended_values[l];
-      TORCH_CHECK(keys_buffer.scalar_type() == at::kFloat && values_buffer.scalar_type() == at::kFloat &&
-                      keys_buffer.dim() == 4 && keys_buffer.sizes() == values_buffer.sizes() &&
-                      keys_buffer.size(1) == kv_heads && keys_buffer.size(2) > length && keys_buffer.size(3) == dim &&
-                      keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1,
-                  "layer ", l, ": appended buffers must be float32 (1, ", kv_heads, ", > ", length, ", ", dim, ")");
-      // -- attention: norm, query/key/value, RoPE, the new key and value into the buffers, the kernel
-      const at::Tensor qkv = product(semanticache::rms_norm(x, w[0], eps[2 * l]), w[1], w[2], w[3]);
-      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", l, ": the query/key/value product gives ",
-                  qkv.size(1), " outputs, the heads take ", q_size + 2 * kv_size);
-      const float* p = qkv.data_ptr<float>();
-      at::Tensor query = at::empty({kv_heads, group, dim}, x.options());
-      float* q = query.data_ptr<float>();
-      float* key_rows = keys_buffer.data_ptr<float>();
-      float* value_rows = values_buffer.data_ptr<float>();
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        const float* v = p + h * dim;
-        float* target = h < heads ? q + h * dim
-                                  : key_rows + (h - heads) * keys_buffer.stride(1) + length * keys_buffer.stride(2);
-        for (int64_t d = 0; d < dim; ++d) {
-          // torch.addcmul's arithmetic: x * cos rounded, then x[swap] * sin added in one fused multiply-add
-          const float rotated = std::fma(v[d < half ? d + half : d - half], s[d], v[d] * c[d]);
-          target[d] = h < heads ? rotated * scale : rotated;
+#pragma omp parallel num_threads(threads)
+    {
+      Worker worker(*this, hidden, std::max({hidden, q_size, inner}), result);
+      for (int64_t l = 0; l < count; ++l) {
+        LayerPlan& p = plan[l];
+        // -- attention: norm, query/key/value, RoPE, the new key and value into the buffers, the kernel
+        worker.norm(p.norm, eps[2 * l]);
+        worker.product(p.qkv, worker.normed.data(), hidden, qkv.data());
+#pragma omp barrier
+        worker.rotate(qkv.data(), c, s, p, scaling);
+#pragma omp barrier
+        for (int64_t task = p.attention.next(); task < p.attention.tasks(); task = p.attention.next()) {
+          p.attention.run(task, worker.query.data());
         }
+#pragma omp barrier
+        p.attention.merge(worker.attended.data());
+        worker.product(p.o, worker.attended.data(), q_size, projected.data());
+#pragma omp barrier
+        worker.add(projected.data());
+        // -- MLP: norm, gate/up, SiLU(gate) * up, down
+        worker.norm(p.norm_mlp, eps[2 * l + 1]);
+        worker.product(p.gate_up, worker.normed.data(), hidden, gate_up.data());
+#pragma omp barrier
+        if (worker.first) silu_times_up(gate_up.data(), activated.data(), p.gate_up.blocks * 8);
+#pragma omp barrier
+        worker.product(p.down, activated.data(), p.gate_up.blocks * 8, down.data());
+#pragma omp barrier
+        worker.add(down.data());
       }
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const float* v = p + q_size + kv_size + h * dim;
-        float* target = value_rows + h * values_buffer.stride(1) + length * values_buffer.stride(2);
-        for (int64_t d = 0; d < dim; ++d) target[d] = v[d];
-      }
-      const at::Tensor* doc = document->tensors.data() + l * DOCUMENT_PER_LAYER;
-      const at::Tensor out = semanticache::decode_attention(
-          query, doc[0], present(doc[1]), present(doc[2]), document->bits[2 * l], doc[3], present(doc[4]),
-          present(doc[5]), document->bits[2 * l + 1], present(doc[6]), keys_buffer.select(0, 0).narrow(1, 0, length + 1),
-          values_buffer.select(0, 0).narrow(1, 0, length + 1));
-      const at::Tensor projected = product(out.view({1, q_size}), w[4], w[5], w[6]);
-      add_into(residual, projected, hidden);
-      // -- MLP: norm, gate/up, SiLU(gate) * up, down
-      const at::Tensor gate_up = product(semanticache::rms_norm(x, w[7], eps[2 * l + 1]), w[8], w[9], w[10]);
-      const int64_t inner = gate_up.size(1) / 2;
-      at::Tensor activated = at::silu(gate_up.narrow(1, 0, inner));  // contiguous (1, inner)
-      float* a = activated.data_ptr<float>();
-      const float* up = gate_up.data_ptr<float>() + inner;
-      for (int64_t i = 0; i < inner; ++i) a[i] *= up[i];
-      add_into(residual, product(activated, w[11], w[12], w[13]), hidden);
+      if (worker.first) std::copy(worker.residual.begin(), worker.residual.end(), result);
     }
     return x;
   }
 
-  at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& minimums) const {
-    return fp32_rows ? semanticache::q4_1_product_fp32(x, codes, scales, minimums)
-                     : semanticache::q4_1_product(x, codes, scales, minimums);
+  // What one layer of a step reads, checked and viewed before the step's threads start.
+  struct LayerPlan {
+    const float* norm;
+    const float* norm_mlp;
+    semanticache::Q4Weights qkv, o, gate_up, down;
+    float* key_row;    // the new token's key and value in the appended buffers, per kv head at head_stride
+    float* value_row;
+    int64_t key_head_stride, value_head_stride;
+    semanticache::AttentionTasks attention;
+  };
+
+  LayerPlan layer_plan(int64_t l, int64_t hidden, const StepDocument& document, const at::Tensor& keys_buffer,
+                       const at::Tensor& values_buffer, int64_t length, int64_t threads) const {
+    const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
+    TORCH_CHECK(keys_buffer.scalar_type() == at::kFloat && values_buffer.scalar_type() == at::kFloat &&
+                    keys_buffer.dim() == 4 && keys_buffer.sizes() == values_buffer.sizes() &&
+                    keys_buffer.size(1) == kv_heads && keys_buffer.size(2) > length && keys_buffer.size(3) == dim &&
+                    keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1,
+                "layer ", l, ": appended buffers must be float32 (1, ", kv_heads, ", > ", length, ", ", dim, ")");
+    for (const at::Tensor* norm : {&w[0], &w[7]}) {
+      TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden, "layer ", l,
+                  ": the norms' weights must be ", hidden, " contiguous float32 values, got ", norm->sizes());
+    }
+    const semanticache::Q4Weights qkv = semanticache::q4_1_weights(w[1], w[2], w[3]);
+    const semanticache::Q4Weights o = semanticache::q4_1_weights(w[4], w[5], w[6]);
+    const semanticache::Q4Weights gate_up = semanticache::q4_1_weights(w[8], w[9], w[10]);
+    const semanticache::Q4Weights down = semanticache::q4_1_weights(w[11], w[12], w[13]);
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+    TORCH_CHECK(qkv.in_features == hidden && qkv.blocks * 16 == q_size + 2 * kv_size && o.in_features == q_size &&
+                    o.blocks * 16 == hidden && gate_up.in_features == hidden && down.blocks * 16 == hidden &&
+                    gate_up.blocks * 16 == 2 * down.in_features,
+                "layer ", l, ": products of ", qkv.in_features, "->", qkv.blocks * 16, ", ", o.in_features, "->",
+                o.blocks * 16, ", ", gate_up.in_features, "->", gate_up.blocks * 16, ", ", down.in_features, "->",
+                down.blocks * 16, " do not fit ", hidden, " hidden values and ", heads, " + 2 x ", kv_heads,
+                " heads of ", dim);
+    const at::Tensor* doc = document.tensors.data() + l * DOCUMENT_PER_LAYER;
+    return {w[0].data_ptr<float>(),
+            w[7].data_ptr<float>(),
+            qkv,
+            o,
+            gate_up,
+            down,
+            keys_buffer.data_ptr<float>() + length * keys_buffer.stride(2),
+            values_buffer.data_ptr<float>() + length * values_buffer.stride(2),
+            keys_buffer.stride(1),
+            values_buffer.stride(1),
+            semanticache::AttentionTasks(heads / kv_heads, dim, doc[0], present(doc[1]), present(doc[2]),
+                                         document.bits[2 * l], doc[3], present(doc[4]), present(doc[5]),
+                                         document.bits[2 * l + 1], present(doc[6]), keys_buffer, values_buffer,
+                                         length + 1, threads)};
   }
 
-  static void add_into(float* residual, const at::Tensor& update, int64_t hidden) {
-    TORCH_CHECK(update.numel() == hidden, "a layer's output has ", update.numel(), " values, the model ", hidden);
-    const float* u = update.data_ptr<float>();
-    for (int64_t i = 0; i < hidden; ++i) residual[i] += u[i];
+  // One thread of a step: its copy of the residual stream, its rows, its share of the products' blocks.
+  struct Worker {
+    const Int4Layers& model;
+    const int64_t thread, threads, hidden;
+    const bool first;  // thread 0: writes what only one thread may (the cache rows, the SiLU, the result)
+    std::vector<float> residual, normed, query, attended, sums;
+    semanticache::QuantisedRows codes;
+
+    Worker(const Int4Layers& model_, int64_t hidden_, int64_t widest, const float* x)
+        : model(model_), thread(omp_get_thread_num()), threads(omp_get_num_threads()), hidden(hidden_),
+          first(thread == 0), residual(x, x + hidden_), normed(hidden_), query(model_.heads * model_.dim),
+          attended(model_.heads * model_.dim), sums(widest / 32) {}
+
+    void norm(const float* weight, double eps) {
+      semanticache::rms_norm_row(residual.data(), weight, eps, hidden, normed.data());
+    }
+
+    void add(const float* update) {
+      for (int64_t i = 0; i < hidden; ++i) residual[i] += update[i];
+    }
+
+    // this thread's share of the output blocks of row (in,) times w, as Int4Layers::product computes them
+    void product(const semanticache::Q4Weights& w, const float* row, int64_t in, float* out) {
+      if (model.fp32_rows) {
+        semanticache::input_sums(row, 1, in, sums.data());
+      } else {
+        semanticache::quantise_rows(row, 1, in, codes);
+      }
+      const int64_t share = (w.blocks + threads - 1) / threads, begin = thread * share;
+      const int64_t end = std::min(w.blocks, begin + share);
+      if (begin >= end) return;
+      if (model.fp32_rows) {
+        semanticache::q4_1_blocks_fp32(w, row, 1, sums.data(), out, begin, end);
+      } else {
+        semanticache::q4_1_blocks(w, codes, 1, out, begin, end);
+      }
+    }
+
+    // RoPE of the query (this thread's copy, times the scaling) and, in thread 0, of the key, written with the
+    // value at the new token's row of the appended buffers. torch.addcmul's arithmetic: x * cos rounded, then
+    // x[swap] * sin added in one fused multiply-add.
+    void rotate(const float* qkv, const float* c, const float* s, const LayerPlan& p, double scaling) {
+      const int64_t dim = model.dim, half = dim / 2, q_heads = model.heads, kv_heads = model.kv_heads;
+      const float scale = static_cast<float>(scaling);
+      for (int64_t h = 0; h < (first ? q_heads + kv_heads : q_heads); ++h) {
+        const float* v = qkv + h * dim;
+        float* target = h < q_heads ? query.data() + h * dim : p.key_row + (h - q_heads) * p.key_head_stride;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float rotated = std::fma(v[d < half ? d + half : d - half], s[d], v[d] * c[d]);
+          target[d] = h < q_heads ? rotated * scale : rotated;
+        }
+      }
+      if (!first) return;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* v = qkv + (q_heads + kv_heads + h) * dim;
+        std::copy(v, v + dim, p.value_row + h * p.value_head_stride);
+      }
+    }
+  };
+
+  // activated = SiLU(gate) * up for gate_up = [gate, up] (inner each): ATen's own SiLU kernel (the other
+  // steps' rounding), called inside the step's region (it then runs on this thread alone).
+  static void silu_times_up(float* gate_up, float* activated, int64_t inner) {
+    const at::Tensor gate = at::from_blob(gate_up, {1, inner}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor out = at::from_blob(activated, {1, inner}, at::TensorOptions().dtype(at::kFloat));
+    at::silu_out(out, gate);
+    const float* up = gate_up + inner;
+    for (int64_t i = 0; i < inner; ++i) activated[i] *= up[i];
   }
 };
 

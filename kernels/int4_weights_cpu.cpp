@@ -45,24 +45,22 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
-// Rows quantised to Q8_0, as the products take them: codes (rows, in), and per row and group of 32 its
-// scale, the sum of its codes and the sum of the fp32 inputs.
-struct QuantisedRows {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, sums;
-  std::vector<int32_t> code_sums;
-};
-
 constexpr int64_t GROUP = 32, OUTPUTS = 16;  // inputs per group; outputs per block of the layouts
 // How far ahead of the group it multiplies a thread asks for codes (bytes): the hardware prefetcher
 // alone left one-row products at 9.8-12.0 GB/s on a 2-core Xeon whose sum reads 19-21 GB/s; 4 KiB ahead
 // measured 12.0-13.0 (2 KiB and 8 KiB within the noise of it, alternating processes)
 constexpr int64_t PREFETCH = 4096;
+constexpr int64_t FEW_ROWS = 16;  // rows whose sums a block keeps on the stack
 
-QuantisedRows quantise_rows(const float* x, int64_t rows, int64_t in_features) {
+}  // namespace
+
+// x (rows, in) quantised to Q8_0 into q (its vectors sized once, then reused).
+void semanticache::quantise_rows(const float* x, int64_t rows, int64_t in_features, QuantisedRows& q) {
   const int64_t groups = in_features / GROUP;
-  QuantisedRows q{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
-                  std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
+  q.codes.resize(rows * in_features);
+  q.scales.resize(rows * groups);
+  q.sums.resize(rows * groups);
+  q.code_sums.resize(rows * groups);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* row = x + r * in_features + g * GROUP;
@@ -83,8 +81,9 @@ QuantisedRows quantise_rows(const float* x, int64_t rows, int64_t in_features) {
       q.code_sums[r * groups + g] = code_sum;
     }
   }
-  return q;
 }
+
+namespace {
 
 inline int32_t word_at(const int8_t* bytes) {
   int32_t word;
@@ -196,60 +195,75 @@ at::Tensor unpack_q4_1(const at::Tensor& codes, const at::Tensor& scales, const 
 
 }  // namespace
 
-// x (rows, in) float32 times the Q4_1 weights, x quantised to Q8_0: (rows, out) float32; per output and
-// group, scale * row scale * the integer sum + minimum * the sum of the fp32 inputs, summed in fp32.
-at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& minimums) {
+semanticache::Q4Weights semanticache::q4_1_weights(const at::Tensor& codes, const at::Tensor& scales,
+                                                   const at::Tensor& minimums) {
   check_q4_1(codes, scales, minimums);
-  const int64_t blocks = codes.size(0), in_features = codes.size(1) * 8, groups = in_features / GROUP;
-  check_rows(x, in_features);
-  const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  const QuantisedRows q = quantise_rows(x.data_ptr<float>(), rows, in_features);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* m = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
-    alignas(64) int32_t dots[OUTPUTS];
-    std::vector<float> totals(rows * OUTPUTS);
-    for (int64_t b = first; b < last; ++b) {
-      std::fill(totals.begin(), totals.end(), 0.0f);
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;  // in L1 for the rows after the first
-        for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
-        const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
-        const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
-        for (int64_t r = 0; r < rows; ++r) {
-          q4_group_dots(octets, q.codes.data() + r * in_features + g * GROUP, dots);
-          float* total = totals.data() + r * OUTPUTS;
-          const float row_scale = q.scales[r * groups + g], row_sum = q.sums[r * groups + g];
-#if defined(__AVX512F__)
-          const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
-          const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
-          __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(weight_scale, _mm512_set1_ps(row_scale)),
-                                     _mm512_cvtepi32_ps(_mm512_load_si512(dots)), _mm512_loadu_ps(total));
-          _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-          for (int64_t h = 0; h < 2; ++h) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
-            const __m256 weight_scale = halves(scale + 8 * h), weight_minimum = halves(minimum + 8 * h);
-            const __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(weight_scale, _mm256_set1_ps(row_scale)),
-                                             _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots + 8 * h))),
-                                             _mm256_loadu_ps(total + 8 * h));
-            _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(weight_minimum, _mm256_set1_ps(row_sum), t));
-          }
-#else
-          for (int64_t j = 0; j < OUTPUTS; ++j) {
-            total[j] += half_to_float(scale[j]) * row_scale * static_cast<float>(dots[j]) + half_to_float(minimum[j]) * row_sum;
-          }
-#endif
-        }
-      }
+  return {codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+          reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>()), codes.size(0), codes.size(1) * 8};
+}
+
+// Output blocks [first, last) of `rows` rows (quantised to Q8_0 in q) times the Q4_1 weights, into out
+// (rows, out): per output and group, scale * row scale * the integer sum + minimum * the sum of the fp32
+// inputs, summed in fp32.
+void semanticache::q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64_t rows, float* o, int64_t first,
+                               int64_t last) {
+  const int64_t in_features = w.in_features, groups = in_features / GROUP, out_features = w.blocks * OUTPUTS;
+  const uint8_t* c = w.codes;
+  const uint16_t* s = w.scales;
+  const uint16_t* m = w.minimums;
+  alignas(64) int32_t dots[OUTPUTS];
+  float few[FEW_ROWS * OUTPUTS];  // no allocation for decoding's one row (a step makes 120 products)
+  std::vector<float> many(rows > FEW_ROWS ? rows * OUTPUTS : 0);
+  float* totals = rows > FEW_ROWS ? many.data() : few;
+  for (int64_t b = first; b < last; ++b) {
+    std::fill(totals, totals + rows * OUTPUTS, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;  // in L1 for the rows after the first
+      for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
+      const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
+      const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
       for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(o + r * out_features + b * OUTPUTS, totals.data() + r * OUTPUTS, OUTPUTS * sizeof(float));
+        q4_group_dots(octets, q.codes.data() + r * in_features + g * GROUP, dots);
+        float* total = totals + r * OUTPUTS;
+        const float row_scale = q.scales[r * groups + g], row_sum = q.sums[r * groups + g];
+#if defined(__AVX512F__)
+        const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+        const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+        __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(weight_scale, _mm512_set1_ps(row_scale)),
+                                   _mm512_cvtepi32_ps(_mm512_load_si512(dots)), _mm512_loadu_ps(total));
+        _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+        for (int64_t h = 0; h < 2; ++h) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
+          const __m256 weight_scale = halves(scale + 8 * h), weight_minimum = halves(minimum + 8 * h);
+          const __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(weight_scale, _mm256_set1_ps(row_scale)),
+                                           _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots + 8 * h))),
+                                           _mm256_loadu_ps(total + 8 * h));
+          _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(weight_minimum, _mm256_set1_ps(row_sum), t));
+        }
+#else
+        for (int64_t j = 0; j < OUTPUTS; ++j) {
+          total[j] += half_to_float(scale[j]) * row_scale * static_cast<float>(dots[j]) + half_to_float(minimum[j]) * row_sum;
+        }
+#endif
       }
     }
-  });
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(o + r * out_features + b * OUTPUTS, totals + r * OUTPUTS, OUTPUTS * sizeof(float));
+    }
+  }
+}
+
+// x (rows, in) float32 times the Q4_1 weights, x quantised to Q8_0: (rows, out) float32 (q4_1_blocks).
+at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                      const at::Tensor& minimums) {
+  const Q4Weights w = q4_1_weights(codes, scales, minimums);
+  check_rows(x, w.in_features);
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, w.blocks * OUTPUTS}, x.options());
+  QuantisedRows q;
+  quantise_rows(x.data_ptr<float>(), rows, w.in_features, q);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, w.blocks, 4, [&](int64_t first, int64_t last) { q4_1_blocks(w, q, rows, o, first, last); });
   return out;
 }
 
@@ -291,139 +305,154 @@ inline void q4_group_tile(const uint8_t* octets, float (*tile)[OUTPUTS]) {
 
 }  // namespace
 
-// x (rows, in) float32 times the Q4_1 weights in fp32 arithmetic, the rows as they are: per output and
-// group, scale * (the sum of input * code) + minimum * (the sum of the inputs), summed over groups. The
-// weights are the decoded ones exactly (code * scale + minimum); only the order of the sums differs from
-// a product by them. Each group's codes become floats once, for every row.
-at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                                           const at::Tensor& minimums) {
-  check_q4_1(codes, scales, minimums);
-  const int64_t blocks = codes.size(0), in_features = codes.size(1) * 8, groups = in_features / GROUP;
-  check_rows(x, in_features);
-  const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  const float* input = x.data_ptr<float>();
-  std::vector<float> sums(rows * groups);  // per row and group, the sum of its inputs
+// Per row and group of 32 inputs, the sum of x's inputs (q4_1_blocks_fp32's sums): x (rows, in), sums (rows, in / 32).
+void semanticache::input_sums(const float* x, int64_t rows, int64_t in_features, float* sums) {
+  const int64_t groups = in_features / GROUP;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.0f;
-      for (int64_t k = 0; k < GROUP; ++k) sum += input[r * in_features + g * GROUP + k];
+      for (int64_t k = 0; k < GROUP; ++k) sum += x[r * in_features + g * GROUP + k];
       sums[r * groups + g] = sum;
     }
   }
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* m = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
-    alignas(64) float tile[GROUP][OUTPUTS];
-    std::vector<float> totals(rows * OUTPUTS);
-    for (int64_t b = first; b < last; ++b) {
-      std::fill(totals.begin(), totals.end(), 0.0f);
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;
-        for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
-        const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
-        const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
+}
+
+// Output blocks [first, last) of x (rows, in) float32 times the Q4_1 weights in fp32 arithmetic, the rows
+// as they are, into out (rows, out): per output and group, scale * (the sum of input * code) + minimum *
+// (the sum of the inputs, input_sums), summed over groups. The weights are the decoded ones exactly
+// (code * scale + minimum); only the order of the sums differs from a product by them. Each group's codes
+// become floats once, for every row.
+void semanticache::q4_1_blocks_fp32(const Q4Weights& w, const float* input, int64_t rows, const float* sums, float* o,
+                                    int64_t first, int64_t last) {
+  const int64_t in_features = w.in_features, groups = in_features / GROUP, out_features = w.blocks * OUTPUTS;
+  const uint8_t* c = w.codes;
+  const uint16_t* s = w.scales;
+  const uint16_t* m = w.minimums;
+  alignas(64) float tile[GROUP][OUTPUTS];
+  float few[FEW_ROWS * OUTPUTS];
+  std::vector<float> many(rows > FEW_ROWS ? rows * OUTPUTS : 0);
+  float* totals = rows > FEW_ROWS ? many.data() : few;
+  for (int64_t b = first; b < last; ++b) {
+    std::fill(totals, totals + rows * OUTPUTS, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;
+      for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
+      const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
+      const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
 #if defined(__AVX512F__)
-        if (rows == 1) {  // decoding: the codes converted in registers, no tile
-          const float* row = input + g * GROUP;
-          const __m512i mask = _mm512_set1_epi32(15);
-          __m512 even = _mm512_setzero_ps(), odd = even;
-          for (int64_t o = 0; o < GROUP / 8; ++o) {
-            const __m512i bytes = _mm512_loadu_si512(octets + 64 * o);
-            for (int t = 0; t < 4; ++t) {
-              const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t), mask));
-              const __m512 high = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t + 4), mask));
-              even = _mm512_fmadd_ps(low, _mm512_set1_ps(row[8 * o + t]), even);
-              odd = _mm512_fmadd_ps(high, _mm512_set1_ps(row[8 * o + 4 + t]), odd);
-            }
+      if (rows == 1) {  // decoding: the codes converted in registers, no tile
+        const float* row = input + g * GROUP;
+        const __m512i mask = _mm512_set1_epi32(15);
+        __m512 even = _mm512_setzero_ps(), odd = even;
+        for (int64_t o = 0; o < GROUP / 8; ++o) {
+          const __m512i bytes = _mm512_loadu_si512(octets + 64 * o);
+          for (int t = 0; t < 4; ++t) {
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t), mask));
+            const __m512 high = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t + 4), mask));
+            even = _mm512_fmadd_ps(low, _mm512_set1_ps(row[8 * o + t]), even);
+            odd = _mm512_fmadd_ps(high, _mm512_set1_ps(row[8 * o + 4 + t]), odd);
           }
-          const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
-          const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
-          const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(totals.data()));
-          _mm512_storeu_ps(totals.data(), _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(sums[g]), t));
-          continue;
         }
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-        if (rows == 1) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
-          // both halves in one loop: four FMA chains at once (two waited on each other's 5-cycle latency),
-          // each chain's order as it was, so the sums are the same bit for bit
-          const float* row = input + g * GROUP;
-          const __m256i mask = _mm256_set1_epi32(15);
-          __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {even[0], even[0]};
-          for (int64_t o = 0; o < GROUP / 8; ++o) {
-            const __m256i bytes[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o)),
-                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32))};
-            for (int t = 0; t < 4; ++t) {
-              const __m256 x_low = _mm256_set1_ps(row[8 * o + t]), x_high = _mm256_set1_ps(row[8 * o + 4 + t]);
-              for (int64_t h = 0; h < 2; ++h) {
-                const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * t), mask));
-                const __m256 high =
-                    _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * t + 4), mask));
-                even[h] = _mm256_fmadd_ps(low, x_low, even[h]);
-                odd[h] = _mm256_fmadd_ps(high, x_high, odd[h]);
-              }
-            }
-          }
-          for (int64_t h = 0; h < 2; ++h) {
-            float* total = totals.data() + 8 * h;
-            const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even[h], odd[h]), _mm256_loadu_ps(total));
-            _mm256_storeu_ps(total, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(sums[g]), t));
-          }
-          continue;
-        }
-#endif
-        q4_group_tile(octets, tile);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* row = input + r * in_features + g * GROUP;
-          float* total = totals.data() + r * OUTPUTS;
-          const float row_sum = sums[r * groups + g];
-#if defined(__AVX512F__)
-          __m512 even = _mm512_setzero_ps(), odd = even;
-          for (int64_t o = 0; o < GROUP / 8; ++o) {  // the sums in the one-row path's order
-            for (int64_t t = 0; t < 4; ++t) {
-              const int64_t k = 8 * o + t;
-              even = _mm512_fmadd_ps(_mm512_load_ps(tile[k]), _mm512_set1_ps(row[k]), even);
-              odd = _mm512_fmadd_ps(_mm512_load_ps(tile[k + 4]), _mm512_set1_ps(row[k + 4]), odd);
-            }
-          }
-          const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
-          const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
-          const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(total));
-          _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-          // the one-row path's arithmetic, its four chains at once too
-          __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {even[0], even[0]};
-          for (int64_t o = 0; o < GROUP / 8; ++o) {
-            for (int64_t t = 0; t < 4; ++t) {
-              const int64_t k = 8 * o + t;
-              const __m256 x_low = _mm256_set1_ps(row[k]), x_high = _mm256_set1_ps(row[k + 4]);
-              for (int64_t h = 0; h < 2; ++h) {
-                even[h] = _mm256_fmadd_ps(_mm256_load_ps(tile[k] + 8 * h), x_low, even[h]);
-                odd[h] = _mm256_fmadd_ps(_mm256_load_ps(tile[k + 4] + 8 * h), x_high, odd[h]);
-              }
-            }
-          }
-          for (int64_t h = 0; h < 2; ++h) {
-            const __m256 t =
-                _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even[h], odd[h]), _mm256_loadu_ps(total + 8 * h));
-            _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(row_sum), t));
-          }
-#else
-          float dot[OUTPUTS] = {};
-          for (int64_t k = 0; k < GROUP; ++k)
-            for (int64_t j = 0; j < OUTPUTS; ++j) dot[j] += tile[k][j] * row[k];
-          for (int64_t j = 0; j < OUTPUTS; ++j) {
-            total[j] += half_to_float(scale[j]) * dot[j] + half_to_float(minimum[j]) * row_sum;
-          }
-#endif
-        }
+        const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+        const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+        const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(totals));
+        _mm512_storeu_ps(totals, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(sums[g]), t));
+        continue;
       }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+      if (rows == 1) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
+        // both halves in one loop: four FMA chains at once (two waited on each other's 5-cycle latency),
+        // each chain's order as it was, so the sums are the same bit for bit
+        const float* row = input + g * GROUP;
+        const __m256i mask = _mm256_set1_epi32(15);
+        __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {even[0], even[0]};
+        for (int64_t o = 0; o < GROUP / 8; ++o) {
+          const __m256i bytes[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o)),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(octets + 64 * o + 32))};
+          for (int t = 0; t < 4; ++t) {
+            const __m256 x_low = _mm256_set1_ps(row[8 * o + t]), x_high = _mm256_set1_ps(row[8 * o + 4 + t]);
+            for (int64_t h = 0; h < 2; ++h) {
+              const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * t), mask));
+              const __m256 high =
+                  _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * t + 4), mask));
+              even[h] = _mm256_fmadd_ps(low, x_low, even[h]);
+              odd[h] = _mm256_fmadd_ps(high, x_high, odd[h]);
+            }
+          }
+        }
+        for (int64_t h = 0; h < 2; ++h) {
+          float* total = totals + 8 * h;
+          const __m256 t = _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even[h], odd[h]), _mm256_loadu_ps(total));
+          _mm256_storeu_ps(total, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(sums[g]), t));
+        }
+        continue;
+      }
+#endif
+      q4_group_tile(octets, tile);
       for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(o + r * out_features + b * OUTPUTS, totals.data() + r * OUTPUTS, OUTPUTS * sizeof(float));
+        const float* row = input + r * in_features + g * GROUP;
+        float* total = totals + r * OUTPUTS;
+        const float row_sum = sums[r * groups + g];
+#if defined(__AVX512F__)
+        __m512 even = _mm512_setzero_ps(), odd = even;
+        for (int64_t o = 0; o < GROUP / 8; ++o) {  // the sums in the one-row path's order
+          for (int64_t t = 0; t < 4; ++t) {
+            const int64_t k = 8 * o + t;
+            even = _mm512_fmadd_ps(_mm512_load_ps(tile[k]), _mm512_set1_ps(row[k]), even);
+            odd = _mm512_fmadd_ps(_mm512_load_ps(tile[k + 4]), _mm512_set1_ps(row[k + 4]), odd);
+          }
+        }
+        const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+        const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+        const __m512 t = _mm512_fmadd_ps(weight_scale, _mm512_add_ps(even, odd), _mm512_loadu_ps(total));
+        _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+        // the one-row path's arithmetic, its four chains at once too
+        __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {even[0], even[0]};
+        for (int64_t o = 0; o < GROUP / 8; ++o) {
+          for (int64_t t = 0; t < 4; ++t) {
+            const int64_t k = 8 * o + t;
+            const __m256 x_low = _mm256_set1_ps(row[k]), x_high = _mm256_set1_ps(row[k + 4]);
+            for (int64_t h = 0; h < 2; ++h) {
+              even[h] = _mm256_fmadd_ps(_mm256_load_ps(tile[k] + 8 * h), x_low, even[h]);
+              odd[h] = _mm256_fmadd_ps(_mm256_load_ps(tile[k + 4] + 8 * h), x_high, odd[h]);
+            }
+          }
+        }
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m256 t =
+              _mm256_fmadd_ps(halves(scale + 8 * h), _mm256_add_ps(even[h], odd[h]), _mm256_loadu_ps(total + 8 * h));
+          _mm256_storeu_ps(total + 8 * h, _mm256_fmadd_ps(halves(minimum + 8 * h), _mm256_set1_ps(row_sum), t));
+        }
+#else
+        float dot[OUTPUTS] = {};
+        for (int64_t k = 0; k < GROUP; ++k)
+          for (int64_t j = 0; j < OUTPUTS; ++j) dot[j] += tile[k][j] * row[k];
+        for (int64_t j = 0; j < OUTPUTS; ++j) {
+          total[j] += half_to_float(scale[j]) * dot[j] + half_to_float(minimum[j]) * row_sum;
+        }
+#endif
       }
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(o + r * out_features + b * OUTPUTS, totals + r * OUTPUTS, OUTPUTS * sizeof(float));
+    }
+  }
+}
+
+// x (rows, in) float32 times the Q4_1 weights in fp32 arithmetic, the rows as they are (q4_1_blocks_fp32).
+at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                           const at::Tensor& minimums) {
+  const Q4Weights w = q4_1_weights(codes, scales, minimums);
+  check_rows(x, w.in_features);
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, w.blocks * OUTPUTS}, x.options());
+  const float* input = x.data_ptr<float>();
+  std::vector<float> sums(rows * (w.in_features / GROUP));
+  input_sums(input, rows, w.in_features, sums.data());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, w.blocks, 4, [&](int64_t first, int64_t last) {
+    q4_1_blocks_fp32(w, input, rows, sums.data(), o, first, last);
   });
   return out;
 }
@@ -554,7 +583,8 @@ at::Tensor semanticache::q8_0_product(const at::Tensor& x, const at::Tensor& cod
   const int64_t blocks = codes.size(0), groups = in_features / GROUP;
   const int64_t rows = x.size(0), out_features = blocks * OUTPUTS;
   at::Tensor out = at::empty({rows, out_features}, x.options());
-  const QuantisedRows q = quantise_rows(x.data_ptr<float>(), rows, in_features);
+  QuantisedRows q;
+  quantise_rows(x.data_ptr<float>(), rows, in_features, q);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < rows; ++r) {

@@ -31,15 +31,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const float* row = in + r * dim;
-      double squares = 0.0;
-      for (int64_t i = 0; i < dim; ++i) squares += static_cast<double>(row[i]) * row[i];
-      const float inverse = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
-      for (int64_t i = 0; i < dim; ++i) o[r * dim + i] = row[i] * inverse * w[i];
-    }
+    for (int64_t r = first; r < last; ++r) rms_norm_row(in + r * dim, w, eps, dim, o + r * dim);
   });
   return out;
+}
+
+void rms_norm_row(const float* row, const float* weight, double eps, int64_t dim, float* out) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < dim; ++i) squares += static_cast<double>(row[i]) * row[i];
+  const float inverse = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
+  for (int64_t i = 0; i < dim; ++i) out[i] = row[i] * inverse * weight[i];
 }
 
 }  // namespace semanticache
