@@ -64,19 +64,20 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                             const at::Tensor& new_values);
 
 // kernels/decode_attention_cpu.cpp: decode_attention in parts, for a caller that runs its own threads.
-// Made (its arguments checked) before the threads start, for `threads` threads as decode_attention counts
-// them (the blocks' bounds depend on it); then each task runs once, on any thread (next() hands them out
-// in turn), and merge() gives decode_attention's result bit for bit. The appended rows are the first
-// `appended` of new_keys / new_values (H_kv, >= appended, D).
+// Made for a document (its arguments checked) and `threads` threads as decode_attention counts them (the
+// blocks' bounds depend on it), then bound to the appended rows, the first `appended` of new_keys /
+// new_values ((H_kv, >= appended, D) or (1, H_kv, ..)), before the threads start; each task then runs once,
+// on any thread (next() hands them out in turn), and merge() gives decode_attention's result bit for bit.
+// A decoding step keeps one per layer for its conversation and binds it again at each step.
 class AttentionTasks {
  public:
   AttentionTasks(int64_t group, int64_t dim, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                  const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
                  const std::optional<at::Tensor>& value_scales, const std::optional<at::Tensor>& value_minimums,
-                 int64_t value_bits, const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
-                 const at::Tensor& new_values, int64_t appended, int64_t threads);
+                 int64_t value_bits, const std::optional<at::Tensor>& bias, int64_t threads);
   AttentionTasks(AttentionTasks&&) noexcept;
   ~AttentionTasks();
+  void bind(const at::Tensor& new_keys, const at::Tensor& new_values, int64_t appended);  // every task to run again
   int64_t tasks() const;
   int64_t next();                             // the next task to run; tasks() or more: none left
   void run(int64_t task, const float* query);  // query (H_kv, G, D)

@@ -555,8 +555,7 @@ semanticache::AttentionTasks::AttentionTasks(int64_t group, int64_t dim, const a
                                              const std::optional<at::Tensor>& key_minimums, int64_t key_bits,
                                              const at::Tensor& values, const std::optional<at::Tensor>& value_scales,
                                              const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
-                                             const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
-                                             const at::Tensor& new_values, int64_t appended, int64_t threads)
+                                             const std::optional<at::Tensor>& bias, int64_t threads)
     : plan(std::make_unique<Plan>()) {
   TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256,
               "head dim must be 16, 32, 64, 128 or 256, got ", dim);
@@ -564,15 +563,9 @@ semanticache::AttentionTasks::AttentionTasks(int64_t group, int64_t dim, const a
   const int64_t heads = keys.size(0), length = keys.size(1);
   TORCH_CHECK(values.size(0) == heads && values.size(1) == length,
               "document keys and values must be (H_kv, L, ...) with H_kv = ", heads);
-  TORCH_CHECK(new_keys.scalar_type() == at::kFloat && new_values.scalar_type() == at::kFloat && new_keys.dim() >= 3 &&
-                  new_keys.sizes() == new_values.sizes() && new_keys.size(-3) == heads && new_keys.size(-1) == dim &&
-                  appended >= 0 && appended <= new_keys.size(-2),
-              "appended keys and values must be (H_kv, >= ", appended, ", D) float32");
   Plan& p = *plan;
   p.doc_keys = stored_rows(keys, key_scales, key_minimums, key_bits, dim);
   p.doc_values = stored_rows(values, value_scales, value_minimums, value_bits, dim);
-  p.tail_keys = plain_rows(new_keys);
-  p.tail_values = plain_rows(new_values);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 2 && bias->size(0) == heads &&
                     bias->size(1) == length && bias->stride(1) == 1,
@@ -591,8 +584,20 @@ semanticache::AttentionTasks::AttentionTasks(int64_t group, int64_t dim, const a
   p.blocks = p.doc_blocks + 1;
   p.count = heads * p.blocks;
   p.width = group * (dim + 2);
-  p.heads = heads, p.group = group, p.dim = dim, p.length = length, p.appended = appended;
+  p.heads = heads, p.group = group, p.dim = dim, p.length = length;
   p.state.resize(p.count * p.width);
+}
+
+void semanticache::AttentionTasks::bind(const at::Tensor& new_keys, const at::Tensor& new_values, int64_t appended) {
+  Plan& p = *plan;
+  TORCH_CHECK(new_keys.scalar_type() == at::kFloat && new_values.scalar_type() == at::kFloat && new_keys.dim() >= 3 &&
+                  new_keys.sizes() == new_values.sizes() && new_keys.size(-3) == p.heads &&
+                  new_keys.size(-1) == p.dim && appended >= 0 && appended <= new_keys.size(-2),
+              "appended keys and values must be (H_kv, >= ", appended, ", D) float32");
+  p.tail_keys = plain_rows(new_keys);
+  p.tail_values = plain_rows(new_values);
+  p.appended = appended;
+  p.next = 0;
 }
 
 semanticache::AttentionTasks::AttentionTasks(AttentionTasks&&) noexcept = default;
@@ -659,7 +664,8 @@ at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Ten
               query.size(0));
   const int64_t threads = at::get_num_threads();
   AttentionTasks attention(query.size(1), query.size(2), keys, key_scales, key_minimums, key_bits, values, value_scales,
-                           value_minimums, value_bits, bias, new_keys, new_values, new_keys.size(1), threads);
+                           value_minimums, value_bits, bias, threads);
+  attention.bind(new_keys, new_values, new_keys.size(1));
   const float* q = query.data_ptr<float>();
   at::parallel_for(0, std::min(threads, attention.tasks()), 1, [&](int64_t, int64_t) {
     for (int64_t task = attention.next(); task < attention.tasks(); task = attention.next()) attention.run(task, q);

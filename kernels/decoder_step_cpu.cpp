@@ -69,6 +69,29 @@ struct StepDocument : torch::CustomClassHolder {
   }
 
   int64_t layers() const { return static_cast<int64_t>(bits.size()) / 2; }
+
+  // Each layer's attention for query groups of `group` heads of `dim` channels on `threads` threads, made
+  // at the conversation's first step and kept: the document's tensors are read and checked once, not at
+  // every step (where their metadata is cold: the step's weights have just streamed through the caches).
+  std::vector<semanticache::AttentionTasks>& attention_tasks(int64_t group, int64_t dim, int64_t threads) {
+    if (attention.empty() || group != attention_shape[0] || dim != attention_shape[1] ||
+        threads != attention_shape[2]) {
+      std::vector<semanticache::AttentionTasks> made;
+      made.reserve(layers());
+      for (int64_t l = 0; l < layers(); ++l) {
+        const at::Tensor* doc = tensors.data() + l * DOCUMENT_PER_LAYER;
+        made.emplace_back(group, dim, doc[0], present(doc[1]), present(doc[2]), bits[2 * l], doc[3], present(doc[4]),
+                          present(doc[5]), bits[2 * l + 1], present(doc[6]), threads);
+      }
+      attention = std::move(made);
+      attention_shape = {group, dim, threads};
+    }
+    return attention;
+  }
+
+ private:
+  std::vector<semanticache::AttentionTasks> attention;
+  std::vector<int64_t> attention_shape = {0, 0, 0};
 };
 
 struct Int4Layers : torch::CustomClassHolder {
@@ -87,6 +110,42 @@ struct Int4Layers : torch::CustomClassHolder {
                 " weights and ", eps.size(), " epsilons");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim > 0 && dim % 2 == 0,
                 "heads (", heads, ") must be a multiple of kv heads (", kv_heads, "), dim (", dim, ") even");
+    TORCH_CHECK(!weights.empty(), "Int4Layers takes at least one layer");
+    hidden = weights[0].numel();
+    for (int64_t l = 0; l < layers(); ++l) views.push_back(layer_view(l));
+  }
+
+  // What a step reads of one layer's weights, viewed (and checked) once.
+  struct LayerView {
+    const float* norm;
+    const float* norm_mlp;
+    semanticache::Q4Weights qkv, o, gate_up, down;
+  };
+  std::vector<LayerView> views;
+  int64_t hidden;
+
+  LayerView layer_view(int64_t l) const {
+    const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
+    for (const at::Tensor* norm : {&w[0], &w[7]}) {
+      TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden, "layer ", l,
+                  ": the norms' weights must be ", hidden, " contiguous float32 values, got ", norm->sizes());
+    }
+    const LayerView view{w[0].data_ptr<float>(),
+                         w[7].data_ptr<float>(),
+                         semanticache::q4_1_weights(w[1], w[2], w[3]),
+                         semanticache::q4_1_weights(w[4], w[5], w[6]),
+                         semanticache::q4_1_weights(w[8], w[9], w[10]),
+                         semanticache::q4_1_weights(w[11], w[12], w[13])};
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+    const semanticache::Q4Weights &qkv = view.qkv, &o = view.o, &gate_up = view.gate_up, &down = view.down;
+    TORCH_CHECK(qkv.in_features == hidden && qkv.blocks * 16 == q_size + 2 * kv_size && o.in_features == q_size &&
+                    o.blocks * 16 == hidden && gate_up.in_features == hidden && down.blocks * 16 == hidden &&
+                    gate_up.blocks * 16 == 2 * down.in_features,
+                "layer ", l, ": products of ", qkv.in_features, "->", qkv.blocks * 16, ", ", o.in_features, "->",
+                o.blocks * 16, ", ", gate_up.in_features, "->", gate_up.blocks * 16, ", ", down.in_features, "->",
+                down.blocks * 16, " do not fit ", hidden, " hidden values and ", heads, " + 2 x ", kv_heads,
+                " heads of ", dim);
+    return view;
   }
 
   int64_t layers() const { return static_cast<int64_t>(eps.size()) / 2; }
@@ -158,13 +217,18 @@ struct Int4Layers : torch::CustomClassHolder {
     TORCH_CHECK(document->layers() == count && static_cast<int64_t>(appended_keys.size()) == count &&
                     static_cast<int64_t>(appended_values.size()) == count,
                 "the document and the appended buffers must have ", count, " layers each");
+    TORCH_CHECK(x_in.size(1) == hidden, "x must hold ", hidden, " values, got ", x_in.size(1));
     at::Tensor x = x_in.contiguous().clone();
-    const int64_t hidden = x.size(1), threads = std::max<int64_t>(1, at::get_num_threads());
-    std::vector<LayerPlan> plan;
-    plan.reserve(count);
-    for (int64_t l = 0; l < count; ++l) plan.push_back(layer_plan(l, hidden, *document, appended_keys[l], appended_values[l], length, threads));
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    std::vector<semanticache::AttentionTasks>& attention = document->attention_tasks(heads / kv_heads, dim, threads);
+    std::vector<NewRows> rows;
+    rows.reserve(count);
+    for (int64_t l = 0; l < count; ++l) {
+      rows.push_back(new_rows(l, appended_keys[l], appended_values[l], length));
+      attention[l].bind(appended_keys[l], appended_values[l], length + 1);
+    }
     int64_t inner = 0;
-    for (const LayerPlan& p : plan) inner = std::max(inner, p.gate_up.blocks * 8);
+    for (const LayerView& view : views) inner = std::max(inner, view.gate_up.blocks * 8);
     // shared: the products' outputs (their blocks written by the threads), the SiLU's
     std::vector<float> qkv(q_size + 2 * kv_size), projected(hidden), gate_up(2 * inner), activated(inner), down(hidden);
     float* result = x.data_ptr<float>();
@@ -174,18 +238,17 @@ struct Int4Layers : torch::CustomClassHolder {
     {
       Worker worker(*this, hidden, std::max({hidden, q_size, inner}), result);
       for (int64_t l = 0; l < count; ++l) {
-        LayerPlan& p = plan[l];
+        const LayerView& p = views[l];
+        semanticache::AttentionTasks& tasks = attention[l];
         // -- attention: norm, query/key/value, RoPE, the new key and value into the buffers, the kernel
         worker.norm(p.norm, eps[2 * l]);
         worker.product(p.qkv, worker.normed.data(), hidden, qkv.data());
 #pragma omp barrier
-        worker.rotate(qkv.data(), c, s, p, scaling);
+        worker.rotate(qkv.data(), c, s, rows[l], scaling);
 #pragma omp barrier
-        for (int64_t task = p.attention.next(); task < p.attention.tasks(); task = p.attention.next()) {
-          p.attention.run(task, worker.query.data());
-        }
+        for (int64_t task = tasks.next(); task < tasks.tasks(); task = tasks.next()) tasks.run(task, worker.query.data());
 #pragma omp barrier
-        p.attention.merge(worker.attended.data());
+        tasks.merge(worker.attended.data());
         worker.product(p.o, worker.attended.data(), q_size, projected.data());
 #pragma omp barrier
         worker.add(projected.data());
@@ -204,56 +267,23 @@ struct Int4Layers : torch::CustomClassHolder {
     return x;
   }
 
-  // What one layer of a step reads, checked and viewed before the step's threads start.
-  struct LayerPlan {
-    const float* norm;
-    const float* norm_mlp;
-    semanticache::Q4Weights qkv, o, gate_up, down;
-    float* key_row;    // the new token's key and value in the appended buffers, per kv head at head_stride
+  // Where a step writes the new token's key and value in one layer's appended buffers: per kv head at
+  // head_stride floats.
+  struct NewRows {
+    float* key_row;
     float* value_row;
     int64_t key_head_stride, value_head_stride;
-    semanticache::AttentionTasks attention;
   };
 
-  LayerPlan layer_plan(int64_t l, int64_t hidden, const StepDocument& document, const at::Tensor& keys_buffer,
-                       const at::Tensor& values_buffer, int64_t length, int64_t threads) const {
-    const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
+  NewRows new_rows(int64_t l, const at::Tensor& keys_buffer, const at::Tensor& values_buffer, int64_t length) const {
     TORCH_CHECK(keys_buffer.scalar_type() == at::kFloat && values_buffer.scalar_type() == at::kFloat &&
                     keys_buffer.dim() == 4 && keys_buffer.sizes() == values_buffer.sizes() &&
                     keys_buffer.size(1) == kv_heads && keys_buffer.size(2) > length && keys_buffer.size(3) == dim &&
                     keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1,
                 "layer ", l, ": appended buffers must be float32 (1, ", kv_heads, ", > ", length, ", ", dim, ")");
-    for (const at::Tensor* norm : {&w[0], &w[7]}) {
-      TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden, "layer ", l,
-                  ": the norms' weights must be ", hidden, " contiguous float32 values, got ", norm->sizes());
-    }
-    const semanticache::Q4Weights qkv = semanticache::q4_1_weights(w[1], w[2], w[3]);
-    const semanticache::Q4Weights o = semanticache::q4_1_weights(w[4], w[5], w[6]);
-    const semanticache::Q4Weights gate_up = semanticache::q4_1_weights(w[8], w[9], w[10]);
-    const semanticache::Q4Weights down = semanticache::q4_1_weights(w[11], w[12], w[13]);
-    const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-    TORCH_CHECK(qkv.in_features == hidden && qkv.blocks * 16 == q_size + 2 * kv_size && o.in_features == q_size &&
-                    o.blocks * 16 == hidden && gate_up.in_features == hidden && down.blocks * 16 == hidden &&
-                    gate_up.blocks * 16 == 2 * down.in_features,
-                "layer ", l, ": products of ", qkv.in_features, "->", qkv.blocks * 16, ", ", o.in_features, "->",
-                o.blocks * 16, ", ", gate_up.in_features, "->", gate_up.blocks * 16, ", ", down.in_features, "->",
-                down.blocks * 16, " do not fit ", hidden, " hidden values and ", heads, " + 2 x ", kv_heads,
-                " heads of ", dim);
-    const at::Tensor* doc = document.tensors.data() + l * DOCUMENT_PER_LAYER;
-    return {w[0].data_ptr<float>(),
-            w[7].data_ptr<float>(),
-            qkv,
-            o,
-            gate_up,
-            down,
-            keys_buffer.data_ptr<float>() + length * keys_buffer.stride(2),
-            values_buffer.data_ptr<float>() + length * values_buffer.stride(2),
-            keys_buffer.stride(1),
-            values_buffer.stride(1),
-            semanticache::AttentionTasks(heads / kv_heads, dim, doc[0], present(doc[1]), present(doc[2]),
-                                         document.bits[2 * l], doc[3], present(doc[4]), present(doc[5]),
-                                         document.bits[2 * l + 1], present(doc[6]), keys_buffer, values_buffer,
-                                         length + 1, threads)};
+    return {keys_buffer.data_ptr<float>() + length * keys_buffer.stride(2),
+            values_buffer.data_ptr<float>() + length * values_buffer.stride(2), keys_buffer.stride(1),
+            values_buffer.stride(1)};
   }
 
   // One thread of a step: its copy of the residual stream, its rows, its share of the products' blocks.
@@ -297,7 +327,7 @@ struct Int4Layers : torch::CustomClassHolder {
     // RoPE of the query (this thread's copy, times the scaling) and, in thread 0, of the key, written with the
     // value at the new token's row of the appended buffers. torch.addcmul's arithmetic: x * cos rounded, then
     // x[swap] * sin added in one fused multiply-add.
-    void rotate(const float* qkv, const float* c, const float* s, const LayerPlan& p, double scaling) {
+    void rotate(const float* qkv, const float* c, const float* s, const NewRows& p, double scaling) {
       const int64_t dim = model.dim, half = dim / 2, q_heads = model.heads, kv_heads = model.kv_heads;
       const float scale = static_cast<float>(scaling);
       for (int64_t h = 0; h < (first ? q_heads + kv_heads : q_heads); ++h) {
