@@ -560,9 +560,10 @@ class SeKVCompressor(Compressor):
         own anchor settings), its semantic chunks the spans that a question rebuilds, each scored by
         its best core (:class:`CoreIndex`); ``"spans"``: one mean entry per surprisal-bounded span
         (the anchor options above apply to it only). Measured on RULER-style tasks (36 questions at
-        4K; benchmarks/results/ruler_facts): cores 50 / 44 / 17 at ratios 0.5 / 0.75 / 0.9, KL
-        0.074 / 0.193 / 0.690; spans 47 / 39 / 17, KL 0.090 / 0.278 / 0.727; SemantiCache alone
-        50 / 42 / 19, KL 0.134 / 0.242 / 0.570.
+        4K; benchmarks/results/ruler_facts), with the rank-16 host copy: cores 50 / 44 / 17 at ratios
+        0.5 / 0.75 / 0.9, KL 0.074 / 0.193 / 0.690; spans 47 / 39 / 17, KL 0.090 / 0.278 / 0.727;
+        SemantiCache alone 50 / 42 / 19, KL 0.134 / 0.242 / 0.570. Cores with the int8 host copy
+        (benchmarks/results/sekv_host_copy): 50 / 50 / 17, KL 0.069 / 0.187 / 0.665.
     """
 
     name: ClassVar[str] = "sekv"
