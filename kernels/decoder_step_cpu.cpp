@@ -312,7 +312,7 @@ struct Int4Layers : torch::CustomClassHolder {
       for (int64_t i = 0; i < hidden; ++i) residual[i] += update[i];
     }
 
-    // this thread's share of the output blocks of row (in,) times w, as Int4Layers::product computes them
+    // this thread's share of the output blocks of row (in,) times w, each as q4_1_product(_fp32) computes it
     void product(const semanticache::Q4Weights& w, const float* row, int64_t in, float* out) {
       if (model.fp32_rows) {
         semanticache::input_sums(row, 1, in, sums.data());
