@@ -109,13 +109,16 @@ def decode(engine: Engine, cache, steps: int, forced: list[int] | None, question
     return ids, torch.stack(logprobs), times
 
 
-def ours(lengths: list[int], steps: int, formats: list[str], bandwidth: float) -> list[dict]:
+def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
     rows, reference = [], {}
     for weights in formats:  # "model" first: its full cache is the reference of every KL
         engine = Engine.from_pretrained(weights=weights)
         step_weights = weight_bytes(engine.model)
         for tokens in lengths:
             prefill = engine.prefill(real_document(engine.tokenizer, tokens), progress=False, surprisal=True)
+            # measured again right before each format and length's decodes: on a shared machine it moves
+            # by 10-40% within one run, and a floor from one measurement at the start would move with it
+            bandwidth = read_bandwidth()
             for name, compression, ratio in CACHES:
                 cache = engine.compress(prefill, make_compressor(compression, ratio))
                 ids, logprobs, times = decode(engine, cache, steps, reference.get(tokens, (None,))[0])
@@ -136,6 +139,7 @@ def ours(lengths: list[int], steps: int, formats: list[str], bandwidth: float) -
                     "decode_ms": round(1000 * statistics.median(times), 1),
                     "step_mib": round(step_bytes / 2**20, 1),
                     "floor_ms": round(1000 * step_bytes / bandwidth, 1),
+                    "bandwidth_gb_s": round(bandwidth / 1e9, 1),
                     "kl_to_fp32_full": round(float(kl.mean()), 5),
                 }
                 rows.append(row)
@@ -296,17 +300,18 @@ def main() -> None:
     if args.memory_only:
         print(memory_table(memory))
         return
-    bandwidth = read_bandwidth()
     rows = [] if args.no_llama_cpp else llama_cpp(args.lengths, args.steps)
-    rows += ours(args.lengths, args.steps, args.weights, bandwidth)
+    rows += ours(args.lengths, args.steps, args.weights)
+    bandwidths = [r["bandwidth_gb_s"] for r in rows if "bandwidth_gb_s" in r]
     (results / "speed.json").write_text(
-        json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=1) + "\n"
+        json.dumps({"read_bandwidth_gb_s": [min(bandwidths), max(bandwidths)], "rows": rows}, indent=1) + "\n"
     )
     plot(rows, results / "speed.png")
     text = (
         "# Speed on CPUs\n\n"
-        f"`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps}`; "
-        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s (floor = bytes a step reads / that).\n\n"
+        f"`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps} --weights "
+        f"{' '.join(args.weights)}`; measured read bandwidth {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s, right "
+        "before each format and length's decodes (floor = bytes a step reads / that measurement).\n\n"
         + table(rows, args.lengths)
         + f"\n\n{environment(started)}\n"
     )
