@@ -253,18 +253,30 @@ void semanticache::q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64
   }
 }
 
+namespace {
+
+// A new (rows, out) float32 product of x's rows and w, its output blocks shared out to torch's threads:
+// blocks(out, first, last) computes blocks [first, last).
+template <typename Blocks>
+at::Tensor blocks_on_threads(const at::Tensor& x, const semanticache::Q4Weights& w, Blocks blocks) {
+  at::Tensor out = at::empty({x.size(0), w.blocks * OUTPUTS}, x.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, w.blocks, 4, [&](int64_t first, int64_t last) { blocks(o, first, last); });
+  return out;
+}
+
+}  // namespace
+
 // x (rows, in) float32 times the Q4_1 weights, x quantised to Q8_0: (rows, out) float32 (q4_1_blocks).
 at::Tensor semanticache::q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                                       const at::Tensor& minimums) {
   const Q4Weights w = q4_1_weights(codes, scales, minimums);
   check_rows(x, w.in_features);
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, w.blocks * OUTPUTS}, x.options());
   QuantisedRows q;
-  quantise_rows(x.data_ptr<float>(), rows, w.in_features, q);
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, w.blocks, 4, [&](int64_t first, int64_t last) { q4_1_blocks(w, q, rows, o, first, last); });
-  return out;
+  quantise_rows(x.data_ptr<float>(), x.size(0), w.in_features, q);
+  return blocks_on_threads(x, w, [&](float* o, int64_t first, int64_t last) {
+    q4_1_blocks(w, q, x.size(0), o, first, last);
+  });
 }
 
 namespace {
@@ -445,16 +457,12 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
                                            const at::Tensor& minimums) {
   const Q4Weights w = q4_1_weights(codes, scales, minimums);
   check_rows(x, w.in_features);
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, w.blocks * OUTPUTS}, x.options());
   const float* input = x.data_ptr<float>();
-  std::vector<float> sums(rows * (w.in_features / GROUP));
-  input_sums(input, rows, w.in_features, sums.data());
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, w.blocks, 4, [&](int64_t first, int64_t last) {
-    q4_1_blocks_fp32(w, input, rows, sums.data(), o, first, last);
+  std::vector<float> sums(x.size(0) * (w.in_features / GROUP));
+  input_sums(input, x.size(0), w.in_features, sums.data());
+  return blocks_on_threads(x, w, [&](float* o, int64_t first, int64_t last) {
+    q4_1_blocks_fp32(w, input, x.size(0), sums.data(), o, first, last);
   });
-  return out;
 }
 
 namespace {
