@@ -553,6 +553,24 @@ def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_
         lean._native.token_step(vocabulary, cos, sin, kept_step_document(kv), keys, values, length, False)
     with pytest.raises(RuntimeError, match="needs a Q8_0 head"):
         lean._native.token_step(0, cos, sin, kept_step_document(kv), keys, values, length, True)
+    hidden = engine.model.config.hidden_size
+    with pytest.raises(RuntimeError, match=f"x must hold {hidden} values, got {hidden + 32}"):
+        lean._native.step(torch.zeros(1, hidden + 32), cos, sin, kept_step_document(kv), keys, values, length)
+
+
+def test_native_layers_refuse_weights_that_do_not_fit_their_heads(tiny_llama):
+    """The C++ step's weights are checked once, when they are taken: products whose sizes do not fit the
+    heads they are said to have are refused, naming the layer and the sizes."""
+    from semanticache_rag.fused import native_layers
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    model = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    config = model.config
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    assert native_layers(model, heads, kv_heads, dim) is not None
+    with pytest.raises(RuntimeError, match=r"layer 0: products of 96->160, .* do not fit 96 hidden values and 12 \+ 2"):
+        native_layers(model, 2 * heads, kv_heads, dim)
 
 
 def test_rotation_table_rows_are_each_position_computed_alone(tiny_llama):
