@@ -116,8 +116,8 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
         step_weights = weight_bytes(engine.model)
         for tokens in lengths:
             prefill = engine.prefill(real_document(engine.tokenizer, tokens), progress=False, surprisal=True)
-            # measured again right before each format and length's decodes: on a shared machine it moves
-            # by 10-40% within one run, and a floor from one measurement at the start would move with it
+            # measured again right before each format and length's decodes: on a shared machine it moved
+            # between 26.5 and 31.9 GB/s within one run, and one measurement at the start moves every floor
             bandwidth = read_bandwidth()
             for name, compression, ratio in CACHES:
                 cache = engine.compress(prefill, make_compressor(compression, ratio))

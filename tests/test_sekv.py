@@ -112,6 +112,8 @@ def test_span_index_state_dict_round_trip(engine, document_text, host_copy):
     ):
         assert torch.equal(a, b)
     assert again.nbytes == cache.zoom.nbytes
+    with pytest.raises(ValueError, match="lacks 'start'"):
+        SpanIndex.from_state_dict({name: tensor for name, tensor in state.items() if name != "start"})
     del state["0.values." + ("right" if host_copy == "rank" else "codes")]
     with pytest.raises(ValueError, match="lacks '0.values"):
         SpanIndex.from_state_dict(state)

@@ -196,9 +196,10 @@ class SpanIndex:
                 {name: _stored_rows(state, f"{b}.{name}", bits) for name in ("keys", "values")}
                 for b in range(len(widths))
             ]
+            start, length = state["start"], state["length"]
         except KeyError as exc:
             raise ValueError(f"the zoom state lacks {exc}") from exc
-        return cls(state["start"], state["length"], widths, entries, factors, zoom_tokens, rank)
+        return cls(start, length, widths, entries, factors, zoom_tokens, rank)
 
 
 _CODE_PARTS = ("codes", "scales", "minimums")
