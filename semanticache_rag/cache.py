@@ -94,7 +94,7 @@ class DocumentCache:
         Seconds spent reading and compressing.
     zoom : object or None
         Host-side state of compressors that re-expand parts of the document per question
-        (:class:`~semanticache_rag.compressors.sekv.SpanIndex`); ``None`` for the others.
+        (:class:`~semanticache_rag.compressors.span_index.SpanIndex`); ``None`` for the others.
     next_position : int or None
         Position of the first appended token; ``None``: ``N``. Sections spliced at compact
         positions (:mod:`semanticache_rag.sections`) end before ``N``.

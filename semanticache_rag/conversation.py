@@ -77,7 +77,7 @@ def working_cache(engine, cache, tail: list[int]):
     """A fresh working cache to run ``tail`` over ``cache``, and what zooming did (or None).
 
     For most caches that is the document's layers as they are; a SeKV cache first rebuilds the
-    spans ``tail`` needs (:meth:`~semanticache_rag.compressors.sekv.SpanIndex.working_kv`).
+    spans ``tail`` needs (:meth:`~semanticache_rag.compressors.span_index.SpanIndex.working_kv`).
     """
     if cache.zoom is None:
         return ConversationKV(cache.layers), None

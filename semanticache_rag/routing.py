@@ -103,7 +103,7 @@ class AttentionRouter:
 
     def scores(self, engine, tail: list[int]) -> np.ndarray:
         """Score of every section (S,) for the question's tokens ``tail``."""
-        from semanticache_rag.compressors.sekv import question_attention
+        from semanticache_rag.compressors.zoom import question_attention
 
         total = torch.zeros(self.size)
 

@@ -10,7 +10,7 @@ import torch
 
 from semanticache_rag import ConfigError, Engine, NoCompression, SeKVCompressor
 from semanticache_rag.compressors import make_compressor
-from semanticache_rag.compressors.sekv import SpanIndex, _factor, _top_eigenvectors
+from semanticache_rag.compressors.span_index import SpanIndex, factor, top_eigenvectors
 
 
 def _read(engine, text, compressor):
@@ -27,11 +27,11 @@ def test_reconstruction_error_falls_with_rank_and_is_exact_at_full_rank():
     rows = torch.randn(2, 3, 5, 24, 16)  # (L, H, spans, width, head_dim)
     errors = []
     for rank in (1, 2, 4, 8, 16):
-        left, right = _factor(rows, rank, torch.float32)
+        left, right = factor(rows, rank, torch.float32)
         errors.append(float((left @ right - rows).norm() / rows.norm()))
     assert all(a > b for a, b in zip(errors, errors[1:]))
     assert errors[-1] < 1e-5
-    left, right = _factor(rows[:, :, :, :4], 8, torch.float32)  # spans of <= rank tokens are kept as they are
+    left, right = factor(rows[:, :, :, :4], 8, torch.float32)  # spans of <= rank tokens are kept as they are
     assert left is None and torch.equal(right, rows[:, :, :, :4])
 
 
@@ -43,7 +43,7 @@ def test_top_eigenvectors_shared_out_to_threads_are_torchs_own(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = _top_eigenvectors(gram, 5)
+        got = top_eigenvectors(gram, 5)
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
@@ -233,7 +233,8 @@ def test_cores_summary_is_semanticache_at_the_summary_budget(engine, document_te
 
 
 def test_cores_state_dict_round_trip_and_damage_is_refused(engine, document_text):
-    from semanticache_rag.compressors.sekv import CoreIndex, zoom_from_state_dict
+    from semanticache_rag.compressors.core_index import CoreIndex
+    from semanticache_rag.compressors.sekv import zoom_from_state_dict
 
     cache = _read(engine, document_text, SeKVCompressor(0.75, summary="cores", rank=4))
     state = cache.zoom.state_dict()
