@@ -10,6 +10,12 @@ kernel's and the twin's time (median of ``--repeats``), the bytes the document o
 scales, minimums, bias), those bytes per second, and the floor: bytes / this machine's read
 bandwidth, measured here first (``torch.sum`` of 512 MiB with the same threads). ``x floor`` is
 time / floor: 1.0 would be a kernel that only waits for memory.
+
+``arithmetic ms`` is the same step's time with the document in cache: the kernel's time per entry on one
+layer small enough for the threads' L2 caches (the slope between two lengths, so that a call's fixed cost
+drops out), times the entries. A kernel whose loads and arithmetic overlap takes about max(floor,
+arithmetic); one where they add up takes floor + arithmetic. ``overlap`` is where the kernel lies between
+the two: 1 fully overlapped, 0 added up.
 """
 
 from __future__ import annotations
@@ -40,10 +46,17 @@ class Row:
     twin_ms: float
     kernel_gbps: float
     floor_ms: float
+    arithmetic_ms: float
 
     @property
     def x_floor(self) -> float:
         return self.kernel_ms / self.floor_ms
+
+    @property
+    def overlap(self) -> float:
+        """1: the kernel takes max(floor, arithmetic); 0: floor + arithmetic."""
+        added, overlapped = self.floor_ms + self.arithmetic_ms, max(self.floor_ms, self.arithmetic_ms)
+        return (added - self.kernel_ms) / (added - overlapped) if added > overlapped else float("nan")
 
 
 def read_bandwidth() -> float:
@@ -88,6 +101,30 @@ def nbytes(args: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in (*args[1:4], *args[5:8], args[9]) if t is not None)
 
 
+def cached_seconds_per_entry(storage: str, group: int, dim: int, repeats: int) -> float:
+    """The kernel's seconds per document entry when the entries are in cache, shared by torch's threads: on
+    one thread, one kv head's layer of ~240 KiB (within an L2 cache) and one of a fifth of that, called 100
+    times each; the slope between the two (so that a call's fixed cost drops out), divided by the threads
+    (each has its own arithmetic units)."""
+    per_entry = nbytes(layer_inputs(1, group, dim, 64, storage, seed=0)) / 64
+    long = max(80, min(4096, int(240 * 1024 / per_entry)))
+    threads, seconds = torch.get_num_threads(), []
+    torch.set_num_threads(1)
+    try:
+        for tokens in (long // 5, long):
+            args = layer_inputs(1, group, dim, tokens, storage, seed=0)
+
+            def calls(args=args) -> None:
+                for _ in range(100):
+                    cpu_ops.decode_attention(*args)
+
+            calls()
+            seconds.append(min(_median_seconds(calls, 3) for _ in range(max(1, repeats // 5))) / 100)
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, (seconds[1] - seconds[0]) / (long - long // 5) / threads)
+
+
 def measure(storage: str, tokens: int, layers: int, kv_heads: int, group: int, dim: int, repeats: int,
             bandwidth: float) -> Row:  # fmt: skip
     every = [layer_inputs(kv_heads, group, dim, tokens, storage, seed) for seed in range(layers)]
@@ -99,7 +136,9 @@ def measure(storage: str, tokens: int, layers: int, kv_heads: int, group: int, d
     kernel = _median_seconds(lambda: step(cpu_ops.decode_attention), repeats)
     twin = _median_seconds(lambda: step(decode_attention_ref.decode_attention), max(3, repeats // 3))
     total = sum(nbytes(args) for args in every)
-    return Row(storage, tokens, total / 1e6, kernel * 1e3, twin * 1e3, total / kernel / 1e9, total / bandwidth * 1e3)
+    arithmetic = cached_seconds_per_entry(storage, group, dim, repeats) * layers * kv_heads * tokens
+    return Row(storage, tokens, total / 1e6, kernel * 1e3, twin * 1e3, total / kernel / 1e9, total / bandwidth * 1e3,
+               arithmetic * 1e3)  # fmt: skip
 
 
 def markdown(rows: list[Row], bandwidth: float, shape: str, argv: list[str] | None) -> str:
@@ -115,12 +154,14 @@ def markdown(rows: list[Row], bandwidth: float, shape: str, argv: list[str] | No
         f"{torch.get_num_threads()} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s "
         "(floor = the document's bytes / that); median times.",
         "",
-        "| storage | tokens | MB read | kernel ms | torch twin ms | kernel GB/s | x floor |",
-        "|---|---|---|---|---|---|---|",
+        "| storage | tokens | MB read | kernel ms | torch twin ms | kernel GB/s | x floor | arithmetic ms | "
+        "floor + arithmetic ms | overlap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r.storage} | {r.tokens} | {r.mbytes:.1f} | {r.kernel_ms:.2f} | {r.twin_ms:.2f} | "
-                     f"{r.kernel_gbps:.1f} | {r.x_floor:.2f} |")  # fmt: skip
+                     f"{r.kernel_gbps:.1f} | {r.x_floor:.2f} | {r.arithmetic_ms:.2f} | "
+                     f"{r.floor_ms + r.arithmetic_ms:.2f} | {r.overlap:.2f} |")  # fmt: skip
     lines += ["", f"Environment: {platform.machine()}, torch {torch.__version__}, Python {platform.python_version()}."]
     return "\n".join(lines) + "\n"
 
@@ -148,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = read_bandwidth()
     shape = f"{args.layers} layers x {args.kv_heads} kv heads x {args.group} query heads each, head dim {args.dim}"
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads; {shape}")
-    print(f"{'storage':>8} {'tokens':>7} {'MB':>7} {'kernel ms':>10} {'twin ms':>8} {'GB/s':>6} {'x floor':>8}")
+    print(f"{'storage':>8} {'tokens':>7} {'MB':>7} {'kernel ms':>10} {'twin ms':>8} {'GB/s':>6} {'x floor':>8} "
+          f"{'arith ms':>9} {'overlap':>8}")  # fmt: skip
     rows = []
     with torch.inference_mode():
         for tokens in args.tokens:
@@ -158,14 +200,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows.append(row)
                 print(f"{row.storage:>8} {row.tokens:>7} {row.mbytes:>7.1f} {row.kernel_ms:>10.2f} "
-                      f"{row.twin_ms:>8.2f} {row.kernel_gbps:>6.1f} {row.x_floor:>8.2f}")  # fmt: skip
+                      f"{row.twin_ms:>8.2f} {row.kernel_gbps:>6.1f} {row.x_floor:>8.2f} "
+                      f"{row.arithmetic_ms:>9.2f} {row.overlap:>8.2f}")  # fmt: skip
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows, bandwidth, shape, argv))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read_gbps": bandwidth / 1e9, "threads": torch.get_num_threads(),
-                       "rows": [{**asdict(r), "x_floor": r.x_floor} for r in rows]}, f, indent=1)  # fmt: skip
+                       "rows": [{**asdict(r), "x_floor": r.x_floor, "overlap": r.overlap} for r in rows]},
+                      f, indent=1)  # fmt: skip
     return 0
 
 

@@ -8,6 +8,7 @@ twin is, on the same stored inputs (house rule for kernels).
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -167,8 +168,20 @@ def test_the_benchmark_times_every_storage_it_is_given(kernel, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["storage"], r["tokens"]) for r in rows] == [("fp32", 64), ("int4", 64)]
     assert rows[1]["mbytes"] < rows[0]["mbytes"] / 4
-    assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 for r in rows)
-    assert table.read_text().count("\n| int4 | 64 |") == 1
+    assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 and r["arithmetic_ms"] >= 0 for r in rows)
+    text = table.read_text()
+    assert text.count("\n| int4 | 64 |") == 1 and "| floor + arithmetic ms | overlap |" in text
+
+
+def test_the_benchmarks_overlap_places_the_kernel_between_max_and_sum():
+    """``overlap``: 1 where the kernel takes max(floor, arithmetic), 0 where it takes their sum, below 0 beyond."""
+    from semanticache_rag.kernels.bench_cpu import Row
+
+    def row(kernel_ms: float, arithmetic_ms: float = 4.0) -> Row:
+        return Row("fp32", 64, 1.0, kernel_ms, 2 * kernel_ms, 1.0, 6.0, arithmetic_ms)
+
+    assert [row(ms).overlap for ms in (6.0, 8.0, 10.0, 12.0)] == [1.0, 0.5, 0.0, -0.5]
+    assert math.isnan(row(6.0, arithmetic_ms=0.0).overlap)  # no arithmetic measured: nothing to place
 
 
 @pytest.mark.parametrize("compression", [("none", None), ("semanticache", 0.75), ("kaizen", 0.75)])
