@@ -246,6 +246,10 @@ struct Rows {
   int64_t groups = 1;
   int64_t group_of_vector[256 / W] = {};  // the group of channels [W c, W c + W), where a group spans whole vectors
   Format format = Format::fp32;
+  // 4-bit rows decoded 2 W channels at a time, in "paired" order: the block's even channels (low nibbles),
+  // then its odd ones (high nibbles), with no shuffle; the kernel permutes the query the same way for keys
+  // and its outputs back for values. Set where a group spans whole blocks.
+  bool paired = false;
 
   // Rows [start, start + count) of `head` as a (count, D) fp32 tile: the data itself where it is
   // contiguous fp32, otherwise decoded into `tile` (codes: their scales and minimums converted first,
@@ -319,6 +323,17 @@ struct Rows {
         std::memcpy(out, raw, D * 4);
       } else if constexpr (F == Format::fp16 || F == Format::bf16) {
         for (int64_t c = 0; c < C; ++c) store(out + W * c, sixteen_bits<F == Format::bf16>(raw, c));
+      } else if (F == Format::int4 && paired) {
+        const float* row_scale = scale + j * groups;
+        const float* row_minimum = minimum + j * groups;
+        for (int64_t c = 0; c < C; c += 2) {  // W bytes: channels [W c, W c + 2 W)
+          vb b;
+          std::memcpy(&b, raw + W / 2 * c, W);
+          const vi lanes = widen(b);
+          const int64_t g = group_of_vector[c];
+          store(out + W * c, __builtin_convertvector(lanes & 15, vf) * row_scale[g] + row_minimum[g]);
+          store(out + W * (c + 1), __builtin_convertvector(lanes >> 4, vf) * row_scale[g] + row_minimum[g]);
+        }
       } else if (width % W == 0) {
         const float* row_scale = scale + j * groups;
         const float* row_minimum = minimum + j * groups;
@@ -385,6 +400,7 @@ Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales
   rows.groups = s.size(2);
   for (int64_t c = 0; c < dim / W; ++c) rows.group_of_vector[c] = W * c / (dim / rows.groups);
   rows.format = bits == 8 ? Format::int8 : bits == 4 ? Format::int4 : Format::int3;
+  rows.paired = bits == 4 && dim % (2 * W) == 0 && (dim / rows.groups) % (2 * W) == 0;
   return rows;
 }
 
@@ -452,6 +468,26 @@ inline void add_values(const float* value, int64_t count, const float (*weights)
     for (int64_t k = 0; k < CB; ++k) store(out + b * D + W * k, sums[b][k]);
 }
 
+// Rows of D channels from natural to paired order (Rows::paired): in each block of 2 W channels, the even
+// ones first, then the odd ones; `back`: the other way.
+template <int64_t D>
+void pair_channels(float* rows, int64_t count, bool back) {
+  float block[2 * W];
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t b = 0; b < D; b += 2 * W) {
+      float* x = rows + r * D + b;
+      std::copy(x, x + 2 * W, block);
+      for (int64_t i = 0; i < W; ++i) {
+        if (back) {
+          x[2 * i] = block[i], x[2 * i + 1] = block[W + i];
+        } else {
+          x[i] = block[2 * i], x[W + i] = block[2 * i + 1];
+        }
+      }
+    }
+  }
+}
+
 // Online-softmax update of `partial` with entries [begin, end) of `keys`/`values` (one kv head), in
 // passes of ENTRIES_PER_PASS: a tile of keys decoded (where coded), its scores for the G query heads,
 // the running maximum and sum, then a tile of values added into the G outputs, kept in registers.
@@ -462,6 +498,13 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
   alignas(64) float scores[MAX_GROUP][ENTRIES_PER_PASS];
   alignas(64) float tile[ENTRIES_PER_PASS * D];
   alignas(64) float factors[ENTRIES_PER_PASS * D];  // scales and minimums of coded rows (at most D / 2 groups)
+  alignas(64) float paired_query[MAX_GROUP * D];
+  if (keys.paired) {  // keys decoded in paired order meet a query in that order: the same dot products
+    std::copy(query, query + group * D, paired_query);
+    pair_channels<D>(paired_query, group, false);
+    query = paired_query;
+  }
+  if (values.paired) pair_channels<D>(partial.out, group, false);  // summed in the values' order, put back below
   vf q[MAX_GROUP][C];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < C; ++c) q[g][c] = load(query + g * D + W * c);
@@ -524,6 +567,7 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
       }
     }
   }
+  if (values.paired) pair_channels<D>(partial.out, group, true);
 }
 
 void attend(int64_t dim, const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
