@@ -87,7 +87,8 @@ def test_kernel_matches_the_torch_twin_for_every_storage(kernel, storage, dim, g
 def test_kernel_takes_mixed_sides_groups_of_16_and_a_single_appended_token(kernel):
     """Keys and values stored differently (Kaizen may), groups of 16 and of 8 channels, and the
     first decoding step after a document (one appended token). 4-bit sides decode in paired order where
-    a group spans whole blocks of 2 x the vector width, and as they are elsewhere: both, on either side."""
+    a group spans whole blocks of 2 x the vector width (groups of 32, the default above, with AVX2 or
+    AVX-512), and as they are elsewhere (groups of 8; of 16 with AVX-512): both, on either side."""
     cases = [("int4", "int8", 16), ("fp16", "int3", 8), ("int8", "fp32", 64), ("int4", "int4", 8), ("fp16", "int4", 16)]
     for key_storage, value_storage, group_size in cases:
         args = inputs(2, 3, 64, 300, 1, key_storage, value_storage, group_size=group_size, seed=1)
