@@ -77,7 +77,7 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def stored(x: torch.Tensor, storage: str, group_size: int = 32) -> tuple:
     """``x`` (H, L, D) as the operator takes it: (data, scales, minimums, bits)."""
-    from semanticache_rag.kv import QuantizedTensor
+    from semanticache_rag.tensor_codes import QuantizedTensor
 
     if storage == "fp32":
         return x, None, None, 32

@@ -2,7 +2,7 @@
 
 The decoding step attends one query per head to each layer's document entries as they are stored
 (fp32; fp16 or bf16; 8/4/3-bit group codes with fp16 scales and minimums, as
-:class:`~semanticache_rag.kv.QuantizedTensor` packs them), with ``log s`` per entry, and to the
+:class:`~semanticache_rag.tensor_codes.QuantizedTensor` packs them), with ``log s`` per entry, and to the
 tokens appended since (question, answer). This twin decodes coded layers into fp32 and multiplies;
 :mod:`.cpu_ops` computes the same in one pass without the decoded copy.
 """

@@ -11,6 +11,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from semanticache_rag.cli_cache import add_cache_commands, add_store_option, store_of
 from semanticache_rag.errors import SemantiCacheError
 
 logger = logging.getLogger("semanticache_rag")
@@ -43,7 +44,7 @@ def _engine(args, compressor=None):
 
     compressor = _compressor(args) if compressor is None else compressor
     started = time.perf_counter()
-    store = None if args.no_store else _store(args)
+    store = None if args.no_store else store_of(args)
     layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections or None, "routing": args.routing}
     engine = Engine.from_pretrained(args.model, compressor=compressor, store=store, weights=args.weights, **layout)
     if not args.json:
@@ -62,12 +63,6 @@ def _document_and_engine(args):
     check_weights(args.weights)
     document = load_document(Path(args.file))
     return document, _engine(args, compressor)
-
-
-def _store(args):
-    from semanticache_rag.store import DocumentStore
-
-    return DocumentStore(args.store)
 
 
 def _read(engine, path, args):
@@ -181,106 +176,6 @@ def cmd_chat(args) -> None:
         )
 
 
-def _when(seconds: float | None) -> str:
-    return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
-
-
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def _mib(size: int | None) -> str:
-    return "-" if size is None else f"{size / 2**20:,.1f} MiB ({size:,} bytes)"
-
-
-def _tail(text, width: int) -> str:
-    text = str(text or "-")
-    return text if len(text) <= width else "…" + text[1 - width :]
-
-
-def _entry_row(entry) -> dict:
-    """What ``cache list`` / ``cache info`` show of one entry (``--json`` prints this too)."""
-    m = entry.manifest or {}
-    return {
-        "id": entry.id,
-        "document": (m.get("document") or {}).get("name", "(unreadable manifest)"),
-        "pages": m.get("pages"),
-        "tokens": m.get("tokens"),
-        "compressed_bytes": m.get("nbytes"),
-        "entries_removed": m.get("entries_removed"),
-        "bytes_removed": m.get("bytes_removed"),
-        "model": m.get("model_name"),
-        "compressor": m.get("compressor"),
-        "created": m.get("created"),
-        "last_used": entry.last_used,
-        "disk_bytes": entry.disk_bytes,
-    }
-
-
-def cmd_cache_list(args) -> None:
-    store = _store(args)
-    rows = [_entry_row(e) for e in reversed(store.entries())]  # most recently used first
-    if args.json:
-        print(json.dumps(rows, ensure_ascii=False))
-        return
-    table = [("ID", "DOCUMENT", "PAGES", "TOKENS", "MiB", "ENTRIES-", "BYTES-", "MODEL", "CREATED", "LAST USED")]
-    for r in rows:
-        entries, saved = (_percent(r[key]) for key in ("entries_removed", "bytes_removed"))
-        size = "-" if r["compressed_bytes"] is None else f"{r['compressed_bytes'] / 2**20:.1f}"
-        tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
-        cells = (_tail(r["document"], 32), str(r["pages"] or "-"), tokens, size, entries, saved, _tail(r["model"], 28))
-        table.append((r["id"][:12], *cells, _when(r["created"]), _when(r["last_used"])))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for row in table:
-        padded = (c.rjust(w) if i in (2, 3, 4, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        print("  ".join(padded).rstrip())
-    total = sum(r["disk_bytes"] for r in rows)
-    count = f"{len(rows)} {'entry' if len(rows) == 1 else 'entries'}"
-    print(f"{count}, {total / 2**20:,.1f} MiB of {store.disk_budget_bytes / 2**20:,.0f} MiB in {store.directory}")
-
-
-def cmd_cache_info(args) -> None:
-    entry = _store(args).info(args.id)
-    row = _entry_row(entry) | {"manifest": entry.manifest}
-    if args.json:
-        print(json.dumps(row, ensure_ascii=False))
-        return
-    m = entry.manifest or {}
-    document = m.get("document") or {}
-    lines = {
-        "id": entry.id,
-        "document": row["document"],
-        "source": document.get("source"),
-        "document sha256": document.get("sha256"),
-        "pages": row["pages"],
-        "tokens": None if row["tokens"] is None else f"{row['tokens']:,}",
-        "compressed": _mib(row["compressed_bytes"]),
-        "uncompressed": _mib(m.get("full_nbytes")),
-        "entries removed": None if row["entries_removed"] is None else f"{row['entries_removed']:.1%}",
-        "bytes removed": None if row["bytes_removed"] is None else f"{row['bytes_removed']:.1%}",
-        "model": row["model"],
-        "compressor": row["compressor"],
-        "read in (s)": None if m.get("prefill_s") is None else round(m["prefill_s"] + m["compress_s"], 2),
-        "created": _when(row["created"]),
-        "last used": _when(row["last_used"]),
-        "on disk": _mib(entry.disk_bytes),
-        "package version": m.get("package_version"),
-    }
-    for name, value in lines.items():
-        print(f"{name + ':':19}{'-' if value is None else value}")
-
-
-def cmd_cache_rm(args) -> None:
-    entry = _store(args).remove(args.id)
-    print(f"Removed {entry.id[:12]} ({_entry_row(entry)['document']}, {entry.disk_bytes / 2**20:.1f} MiB)")
-
-
-def cmd_cache_clear(args) -> None:
-    store = _store(args)
-    count, size = store.clear()
-    print(f"Removed {count} entries ({size / 2**20:.1f} MiB) from {store.directory}")
-
-
 def cmd_serve(args) -> None:
     try:
         import uvicorn
@@ -347,38 +242,9 @@ def _add_vllm_command(sub) -> None:
     p.add_argument("--vllm-python", default=None, metavar="PATH", help="the Python of vLLM's environment (default: "
                    "this one if it has vLLM, else the venv python benchmarks/vllm_env.py builds)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    _add_store_option(p)
+    add_store_option(p)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_vllm_serve)
-
-
-def _add_cache_commands(sub) -> None:
-    cache = sub.add_parser("cache", help="list, inspect or remove stored document caches")
-    commands = cache.add_subparsers(dest="cache_command", required=True)
-    listing = commands.add_parser("list", help="stored caches, most recently used first")
-    listing.set_defaults(func=cmd_cache_list)
-    info = commands.add_parser("info", help="everything stored about one cache")
-    info.set_defaults(func=cmd_cache_info)
-    rm = commands.add_parser("rm", help="remove one cache")
-    rm.set_defaults(func=cmd_cache_rm, json=False)
-    clear = commands.add_parser("clear", help="remove every cache")
-    clear.set_defaults(func=cmd_cache_clear, json=False)
-    for p in (info, rm):
-        p.add_argument("id", help="cache id or a unique prefix of it (at least 4 hex digits)")
-    for p in (listing, info):
-        p.add_argument("--json", action="store_true")
-    for p in (listing, info, rm, clear):
-        _add_store_option(p)
-        p.add_argument("-v", "--verbose", action="store_true")
-
-
-def _add_store_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--store",
-        default=None,
-        metavar="DIR",
-        help="document cache store (default: $SEMANTICACHE_STORE_DIR, else caches/ in $SEMANTICACHE_HOME)",
-    )
 
 
 def _add_common(
@@ -449,7 +315,7 @@ def _add_common(
         help="how a long document's sections are chosen per question (default: bm25)",
     )
     p.add_argument("--no-store", action="store_true", help="read the document afresh; keep no cache on disk")
-    _add_store_option(p)
+    add_store_option(p)
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -476,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_command(sub)
     _add_vllm_command(sub)
-    _add_cache_commands(sub)
+    add_cache_commands(sub)
     return parser
 
 

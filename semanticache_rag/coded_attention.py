@@ -1,9 +1,10 @@
 """One query's attention over a document layer as it is stored, for the decoding step.
 
 A decoding step attends one query per head to every layer's document entries. Plain layers are
-multiplied as they are. A rank-``r`` layer of KV-Kaizen (``A @ B``, :class:`~semanticache_rag.kv.LowRankTensor`)
-is attended through its factors, ``q . k = (q @ B^T) @ A^T`` and ``p @ v = (p @ A) @ B``, never forming
-the ``L x D`` product that decoding it builds (5x faster at 2,000 entries per head on a 2-core CPU).
+multiplied as they are. A rank-``r`` layer of KV-Kaizen (``A @ B``,
+:class:`~semanticache_rag.tensor_codes.LowRankTensor`) is attended through its factors,
+``q . k = (q @ B^T) @ A^T`` and ``p @ v = (p @ A) @ B``, never forming the ``L x D``
+product that decoding it builds (5x faster at 2,000 entries per head on a 2-core CPU).
 Quantised and 16-bit layers are decoded into the conversation's scratch and multiplied: folding the
 scales and minimums into the products (``q . k = sum_g s_g (q_g . c_g) + m_g sum(q_g)``) saves two
 passes over the layer but needs four small products instead of two, and measured slower with torch's
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from semanticache_rag.kv import CodedLayerKV, DecodeScratch, LowRankTensor, TensorCode
+from semanticache_rag.kv import CodedLayerKV, DecodeScratch
+from semanticache_rag.tensor_codes import LowRankTensor, TensorCode
 
 Stored = torch.Tensor | TensorCode
 

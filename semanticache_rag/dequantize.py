@@ -1,5 +1,5 @@
 """Group codes decoded into an fp32 tensor: one function for the stored cache
-(:meth:`~semanticache_rag.kv.QuantizedTensor.decode` and ``decode_into``) and the scripted decoding step
+(:meth:`~semanticache_rag.tensor_codes.QuantizedTensor.decode` and ``decode_into``) and the scripted decoding step
 (:mod:`~semanticache_rag.scripted_step`), so that both round the same way.
 
 This module has no ``from __future__ import annotations``: TorchScript compiles its functions.
@@ -18,7 +18,7 @@ def decode_groups_into(
     codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int, out: torch.Tensor
 ) -> torch.Tensor:
     """``out`` (..., D) fp32 set to ``code * scale + minimum`` per group of channels (``scales`` and
-    ``minimums`` (..., D / group)); ``codes`` as :class:`~semanticache_rag.kv.QuantizedTensor` packs
+    ``minimums`` (..., D / group)); ``codes`` as :class:`~semanticache_rag.tensor_codes.QuantizedTensor` packs
     them: one per channel at 8 bits, two per byte at 4 (even channels in the low nibble), eight per
     three bytes at 3 (the first channel lowest). Codes go straight into ``out`` as floats, then
     in-place scale and shift (2-3x faster than addcmul on the uint8 codes, with the same two roundings)."""

@@ -6,14 +6,13 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from semanticache_rag import surprisal
 from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.compressors import CompressionContext, Compressor, NoCompression
 from semanticache_rag.documents import Document, load_document
@@ -41,46 +40,6 @@ class Prefill:
     keys_values: list[tuple[torch.Tensor, torch.Tensor]]
     surprisal: torch.Tensor | None
     seconds: float
-
-
-# positions whose logits exist at once while reading with surprisal, and how many of their vocabulary's
-# logits at a time (2 MB): fewer bytes than a prefill chunk's own temporaries, so that surprisal does not
-# raise a read's peak memory (the whole vocabulary at once was 12.6 MB, +8 MiB over an uncompressed read's
-# peak at 7K tokens). Many positions by a narrow block, not few by a wide one: the head's products run at
-# 167 GFLOP/s with 512 x 1,024 and 88 with 64 x 8,192 (2 cores, the default model's 576 x 49,152 head).
-# A head that is a module (no plain weight) gives whole rows of logits: 64 positions at a time there.
-_SURPRISAL_ROWS = 512
-_HEAD_ROWS = 64
-_VOCABULARY_BLOCK = 1024
-# causal LMs whose logits are exactly their output head over the final hidden states (no scaling or capping)
-_PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-
-
-def _neg_log_probs(rows: torch.Tensor, wanted: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """``-log p`` of ``wanted`` (R,) under the logits ``rows @ weight.T`` (or ``rows`` themselves when ``weight``
-    is None), :data:`_VOCABULARY_BLOCK` logits of each row at a time with a running logsumexp."""
-    blocks: Iterable[tuple[int, torch.Tensor]]
-    if weight is None:
-        blocks = [(0, rows.float())]
-    else:
-        blocks = (
-            (v, F.linear(rows.to(weight.dtype), weight[v : v + _VOCABULARY_BLOCK]))
-            for v in range(0, weight.shape[0], _VOCABULARY_BLOCK)
-        )
-    top = torch.full((len(wanted),), float("-inf"), device=rows.device)
-    total = torch.zeros(len(wanted), device=rows.device)
-    picked = torch.zeros(len(wanted), device=rows.device)
-    for first, logits in blocks:
-        logits = logits.float()
-        inside = (wanted >= first) & (wanted < first + logits.shape[1])
-        picked += torch.where(
-            inside, logits.gather(1, (wanted - first).clamp(0, logits.shape[1] - 1)[:, None])[:, 0], 0
-        )
-        peak = torch.maximum(top, logits.amax(dim=-1))
-        # in place (the block is not needed after): no second (rows, block) tensor
-        total = total * (top - peak).exp() + logits.sub_(peak[:, None]).exp_().sum(dim=-1)
-        top = peak
-    return total.log() + top - picked
 
 
 class Engine:
@@ -207,7 +166,7 @@ class Engine:
         """:meth:`forward`; with ``head=False`` the last ``keep`` final hidden states (K, hidden) instead of logits.
 
         ``head=False`` is for models whose logits are their output head over those states
-        (the lean pass, or a class in :data:`_PLAIN_HEAD`).
+        (the lean pass, or a class in :data:`~semanticache_rag.surprisal.PLAIN_HEAD`).
         """
         input_ids = torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
@@ -385,36 +344,16 @@ class Engine:
         return token_surprisal if surprisal else None
 
     def _surprisal(self, kv: ConversationKV, chunk: list[int], start: int, targets: torch.Tensor) -> torch.Tensor:
-        """Run ``chunk`` into ``kv``; return ``-log p`` of ``targets`` (the tokens that follow each position).
-
-        Models whose logits are their output head over the final hidden states get the head applied
-        :data:`_SURPRISAL_ROWS` positions and :data:`_VOCABULARY_BLOCK` logits at a time (``-log p =
-        logsumexp - logit``), so no (chunk, vocabulary) tensor is ever whole in memory (100 MB per 512
-        tokens for a 49K vocabulary); a head module :data:`_HEAD_ROWS` positions at a time; others compute
-        the chunk's logits.
-        """
-        head = None  # the output head when it has no plain weight (a converted layer): applied per block of rows
-        weight = None
-        if getattr(self.model, "semanticache_forward", None) is None and type(self.model).__name__ not in _PLAIN_HEAD:
-            outputs = self._run(kv, chunk, start, len(chunk), head=True)  # the logits themselves
-        else:  # converted weights may keep a head for many positions at once (semanticache_rag.weights)
-            outputs = self._run(kv, chunk, start, len(chunk), head=False)  # final hidden states
-            reading = getattr(self.model, "semanticache_reading_head", None)
-            head = reading if reading is not None else self.model.get_output_embeddings()
-            weight = getattr(head, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point():
-                head = None
-            else:
-                weight = None
-        out = torch.empty(len(targets))
-        step = _SURPRISAL_ROWS if weight is not None else _HEAD_ROWS
-        with torch.inference_mode():
-            for row in range(0, len(targets), step):
-                wanted = targets[row : row + step]
-                rows = outputs[row : row + len(wanted)]
-                rows = head(rows) if head is not None else rows
-                out[row : row + len(wanted)] = _neg_log_probs(rows, wanted.to(rows.device), weight).cpu()
-        return out
+        """Run ``chunk`` into ``kv``; return ``-log p`` of ``targets`` (the tokens that follow each position),
+        computed a block of positions and vocabulary at a time (:mod:`semanticache_rag.surprisal`)."""
+        if not surprisal.plain_head(self.model):
+            return surprisal.blockwise(self._run(kv, chunk, start, len(chunk), head=True), targets, None)  # logits
+        # converted weights may keep a head for many positions at once (semanticache_rag.weights)
+        hidden = self._run(kv, chunk, start, len(chunk), head=False)  # final hidden states
+        reading = getattr(self.model, "semanticache_reading_head", None)
+        return surprisal.blockwise(
+            hidden, targets, reading if reading is not None else self.model.get_output_embeddings()
+        )
 
     def generate_uncached(self, cache: DocumentCache, turns, max_new_tokens: int = 256) -> str:
         """Greedy answer from re-reading the whole prompt with ``model.generate`` (no cache reuse).

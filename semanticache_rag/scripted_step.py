@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from semanticache_rag.dequantize import decode_groups_into
-from semanticache_rag.kv import CodedLayerKV, HalfTensor, LayerKV, LowRankTensor, QuantizedTensor, SharedLayerKV
+from semanticache_rag.kv import CodedLayerKV, LayerKV, SharedLayerKV
+from semanticache_rag.tensor_codes import HalfTensor, LowRankTensor, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def _matrix(kind: str, parts: list[torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
     """Keys or values (H, L, D) of a layer stored as ``kind``, decoded into ``scratch`` (flat fp32) where
-    coded, as :class:`~semanticache_rag.kv.QuantizedTensor` and ``HalfTensor`` decode them."""
+    coded, as :class:`~semanticache_rag.tensor_codes.QuantizedTensor` and ``HalfTensor`` decode them."""
     if kind == "plain":
         return parts[0]
     data = parts[0]

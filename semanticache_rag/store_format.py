@@ -38,15 +38,8 @@ from safetensors.torch import save_file
 
 from semanticache_rag.cache import DocumentCache, ModelSpec
 from semanticache_rag.documents import Document
-from semanticache_rag.kv import (
-    BITS,
-    CodedLayerKV,
-    HalfTensor,
-    LayerKV,
-    LowRankTensor,
-    QuantizedTensor,
-    SharedLayerKV,
-)
+from semanticache_rag.kv import CodedLayerKV, LayerKV, SharedLayerKV
+from semanticache_rag.tensor_codes import BITS, HalfTensor, LowRankTensor, QuantizedTensor
 
 if TYPE_CHECKING:
     from semanticache_rag.store_key import CacheKey

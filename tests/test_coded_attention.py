@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from semanticache_rag import coded_attention
-from semanticache_rag.kv import (
-    CodedLayerKV,
-    DecodeScratch,
-    HalfTensor,
-    LayerKV,
-    LowRankTensor,
-    QuantizedTensor,
-    SharedLayerKV,
-)
+from semanticache_rag.kv import CodedLayerKV, DecodeScratch, LayerKV, SharedLayerKV
+from semanticache_rag.tensor_codes import HalfTensor, LowRankTensor, QuantizedTensor
 
 CODES = {
     "int8": lambda x: QuantizedTensor.encode(x, 8, 32),

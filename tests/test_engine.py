@@ -165,16 +165,16 @@ def test_prefill_surprisal_is_minus_log_p_of_the_next_token(tiny_model, tiny_tok
 
 def test_surprisal_blocks_over_a_vocabulary_of_several_blocks_equal_log_softmax():
     """The running logsumexp over vocabulary blocks (the last one ragged) is log-softmax of the whole logits."""
-    from semanticache_rag import engine as engine_module
+    from semanticache_rag import surprisal
 
     generator = torch.Generator().manual_seed(0)
-    vocabulary = 2 * engine_module._VOCABULARY_BLOCK + 37
+    vocabulary = 2 * surprisal.VOCABULARY_BLOCK + 37
     weight = torch.randn(vocabulary, 48, generator=generator)
     rows = torch.randn(70, 48, generator=generator) * 3
     wanted = torch.randint(0, vocabulary, (70,), generator=generator)
-    wanted[:3] = torch.tensor([0, vocabulary - 1, engine_module._VOCABULARY_BLOCK])  # block edges
+    wanted[:3] = torch.tensor([0, vocabulary - 1, surprisal.VOCABULARY_BLOCK])  # block edges
     want = -(rows @ weight.T).log_softmax(-1).gather(1, wanted[:, None])[:, 0]
-    got = engine_module._neg_log_probs(rows, wanted, weight)
+    got = surprisal.neg_log_probs(rows, wanted, weight)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 

@@ -41,7 +41,7 @@ def test_s_copies_of_an_entry_attend_as_one_entry_with_log_s():
 def test_coded_and_shared_layers_expand_to_their_decoded_entries():
     torch.manual_seed(1)
     keys, values = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    from semanticache_rag.kv import QuantizedTensor
+    from semanticache_rag.tensor_codes import QuantizedTensor
 
     coded = CodedLayerKV(QuantizedTensor.encode(keys, 8, 8), QuantizedTensor.encode(values, 8, 8))
     shared = SharedLayerKV(coded)

@@ -16,15 +16,8 @@ from semanticache_rag.compressors.kaizen import (
     select_options,
 )
 from semanticache_rag.compressors.kaizen_calibration import calibrate, merge_tables, save_table
-from semanticache_rag.kv import (
-    CodedLayerKV,
-    ConversationKV,
-    HalfTensor,
-    LayerKV,
-    LowRankTensor,
-    QuantizedTensor,
-    SharedLayerKV,
-)
+from semanticache_rag.kv import CodedLayerKV, ConversationKV, LayerKV, SharedLayerKV
+from semanticache_rag.tensor_codes import HalfTensor, LowRankTensor, QuantizedTensor
 
 QUESTION = "Who may copy it?"
 

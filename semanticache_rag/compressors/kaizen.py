@@ -39,16 +39,9 @@ import torch
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor
 from semanticache_rag.errors import ConfigError
-from semanticache_rag.kv import (
-    CodedLayerKV,
-    HalfTensor,
-    LayerKV,
-    LowRankTensor,
-    QuantizedTensor,
-    SharedLayerKV,
-    TensorCode,
-)
-from semanticache_rag.kv import half_dtype as _half
+from semanticache_rag.kv import CodedLayerKV, LayerKV, SharedLayerKV
+from semanticache_rag.tensor_codes import HalfTensor, LowRankTensor, QuantizedTensor, TensorCode
+from semanticache_rag.tensor_codes import half_dtype as _half
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,8 @@ from semanticache_rag.compressors.core_index import CoreIndex
 from semanticache_rag.compressors.semanticache import SemantiCacheCompressor
 from semanticache_rag.compressors.span_index import HostRows, SpanIndex, factor
 from semanticache_rag.errors import ConfigError
-from semanticache_rag.kv import LayerKV, QuantizedTensor
+from semanticache_rag.kv import LayerKV
+from semanticache_rag.tensor_codes import QuantizedTensor
 
 SUMMARIES = ("spans", "cores")
 HOST_COPIES = {"int8": 8, "int4": 4, "rank": None}  # code bits of each host copy (rank: SVD factors)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from semanticache_rag.compressors.zoom import ZoomInfo, entry_scores, reconstruct_sections, select_spans, zoomed_kv
-from semanticache_rag.kv import ConversationKV, QuantizedTensor
+from semanticache_rag.kv import ConversationKV
+from semanticache_rag.tensor_codes import QuantizedTensor
 
 # one bucket's keys or values in host memory: (None, rows or their codes) or (left, right) factors
 HostRows = tuple[torch.Tensor | None, torch.Tensor | QuantizedTensor]
@@ -26,7 +27,7 @@ class SpanIndex:
     Spans are grouped in buckets by length (widths 2, 4, 8, ...). Per bucket, ``entries``
     (S,) are the spans' summary-entry indices and ``factors`` holds, for keys and for values,
     ``(None, rows)`` with the rows of the bucket's tokens (L, H, T, D) (T = their total length, no
-    padding) as :class:`~semanticache_rag.kv.QuantizedTensor` codes (``host_copy="int8"``/``"int4"``)
+    padding) as :class:`~semanticache_rag.tensor_codes.QuantizedTensor` codes (``host_copy="int8"``/``"int4"``)
     or as they are (spans no longer than the rank); or low-rank factors ``(left, right)``: ``left``
     (L, H, T, r) per token and ``right`` (L, H, S, r, D) per span, so a span's rows are
     ``left[span tokens] @ right[span]``.
