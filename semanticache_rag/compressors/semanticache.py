@@ -4,7 +4,7 @@ Per layer and KV head, tokens of one delimiter-closed chunk whose post-RoPE keys
 (cosine >= tau) merge into a *semantic core*: the mean key and value of the cluster, kept with
 its size ``s``; decoding adds ``log s`` to the core's attention logit (proportional attention,
 :mod:`semanticache_rag.kernels.proportional_attention_ref`). ``tau`` is found per layer and head
-by a search (:meth:`SemantiCacheCompressor._search_tau`) so that every head keeps its budget to
+by a search (:func:`~semanticache_rag.compressors.tau_search.search_tau`) so that every head keeps its budget to
 within 0.1% (or one entry), which meets the budget with next to no padding. Layers that share a
 plan are clustered together, their heads side by side: on CPUs by a C++ kernel over the similarity
 grid (``kernels/gsc_cpu.cpp``, built on first use: 2K tokens compress in 0.16-0.21 s instead of
@@ -34,6 +34,7 @@ import torch
 from semanticache_rag.chunking import delimiter_mask, semantic_chunks
 from semanticache_rag.compressors.anchors import UNITS, anchor_priority, choose_anchors, context_words
 from semanticache_rag.compressors.base import CompressionContext, Compressor
+from semanticache_rag.compressors.tau_search import search_tau, seeds_at
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels import cpu_ops
 from semanticache_rag.kernels.dispatch import check_backend, cluster_seeds, resolve_backend
@@ -54,12 +55,10 @@ from semanticache_rag.kv import LayerKV
 logger = logging.getLogger(__name__)
 
 _MAX_WIDTH = 512  # longest chunk coarsening may build
-_SEARCH_WAYS = 4  # tau candidates per head clustered at once in each round of the search
 _GROUP_BYTES = 32 * 2**20  # similarity grids (and their thresholded copies) of the layers clustered together
 # what clustering may take before any layer has been compressed: less than a read's own activations at the
 # end of its prefill (e.g. 2 x 1,024 tokens x 1,536 float32 MLP activations, 12 MiB, for the default model)
 _FLOOR_BYTES = 8 * 2**20
-_SPREAD = 1 / 8  # share of the bracket either side of an interpolated guess that the search also tries
 
 
 def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout, masks: bool = True) -> tuple[int, int]:
@@ -76,11 +75,6 @@ def _grid_bytes(keys: torch.Tensor, layout: ChunkLayout, masks: bool = True) -> 
     table = heads * cells * (4 * width + (word * (width + 1) if masks else 0))
     head = 8 * keys.shape[2] * dim + 4 * cells * width  # its keys as float32 and unit vectors, its similarity
     return table, head + min(CHUNK_BLOCK, layout.num_chunks) * width * (4 * dim + 16 * width)
-
-
-def _seeds_at(cluster, tau: torch.Tensor) -> torch.Tensor:
-    """The seeds (H, N) of a clustering (:meth:`SemantiCacheCompressor._clustering`) at one tau per head (H,)."""
-    return cluster(tau[None])[1](torch.zeros(tau.numel(), dtype=torch.long))
 
 
 @dataclass(frozen=True, eq=False)
@@ -343,7 +337,7 @@ class SemantiCacheCompressor(Compressor):
         if self.tau is None:
             seeds = self._search_tau(cluster, heads * len(keys_values), plan)
         else:
-            seeds = _seeds_at(cluster, torch.full((heads * len(keys_values),), self.tau))
+            seeds = seeds_at(cluster, torch.full((heads * len(keys_values),), self.tau))
         del cluster  # its similarity table, before the cores are built
         dtype = torch.int16 if plan.layout.width < 2**15 else torch.int32
         layers = []
@@ -436,59 +430,6 @@ class SemantiCacheCompressor(Compressor):
         return similarity
 
     def _search_tau(self, cluster, heads: int, plan: _Plan) -> torch.Tensor:
-        """Per head, the clustering (seeds, (H, N)) at the largest tau that keeps at most ``plan.target`` entries.
-
-        Each round clusters :data:`_SEARCH_WAYS` candidates per head at once and keeps the bracket
-        ``low < tau* <= high`` with the counts at both ends. The first round spreads the candidates
-        evenly; later rounds put them where the counts interpolate to the target (the guess and
-        :data:`_SPREAD` of the bracket either side of it, and the middle of the wider side left), and
-        fall back to even spacing for a head whose bracket shrank less than :data:`_SEARCH_WAYS` + 1
-        times. The search ends once every head keeps its budget to within 0.1% or one entry (at most
-        ``plan.target`` entries, at least ``max(1, plan.target // 1000)`` fewer) or its bracket is within
-        ``search_steps`` halvings of [-1, 1]. The seeds of the tau found are kept from the round that
-        tried it, rather than clustered once more.
-        """
-        target, slack = plan.target, max(1, plan.target // 1000)
-        low, high = torch.full((heads,), -1.0), torch.full((heads,), 1.0 + 1e-6)
-        # At tau = -1 each chunk's first free token takes the rest of it; above 1 nothing merges.
-        free_chunks = plan.layout.token_chunk[~plan.protected].unique().numel()
-        count_low = torch.full((heads,), float(int(plan.protected.sum()) + free_chunks))
-        count_high = torch.full((heads,), float(plan.protected.numel()))
-        even = torch.arange(1, _SEARCH_WAYS + 1, dtype=torch.float32)[:, None] / (_SEARCH_WAYS + 1)
-        spread = torch.tensor([-_SPREAD, 0.0, _SPREAD])[:, None]
-        uniform = torch.ones(heads, dtype=torch.bool)  # heads whose next candidates are spread evenly
-        precision = 2.0 ** (1 - self.search_steps)
-        best: torch.Tensor | None = None  # seeds at `low`, for the heads where a candidate fitted (low > -1)
-        for _ in range(2 * math.ceil(self.search_steps * math.log(2) / math.log(_SEARCH_WAYS + 1))):
-            width = high - low
-            share = ((math.log(target) - count_low.log()) / (count_high.log() - count_low.log()).clamp(min=1e-9)).clamp(
-                0, 1
-            )
-            guess = low + width * share
-            wider = torch.where(guess - low > high - guess, (low + guess) / 2, (guess + high) / 2)
-            aimed = torch.cat([guess + width * spread, wider[None]]).sort(0).values
-            aimed = aimed.clamp(low + width / 64, high - width / 64)
-            candidates = torch.where(uniform, low + width * even, aimed)  # (K, H), increasing along K
-            counts, pick = cluster(candidates)
-            counts = counts.float()
-            fits = counts <= target
-            # the last candidate that fits, and the first above it (counts grow with tau)
-            last = torch.where(fits, torch.arange(_SEARCH_WAYS)[:, None], -1).amax(0)
-            at, above = last.clamp(min=0)[None], (last + 1).clamp(max=_SEARCH_WAYS - 1)[None]
-            inside = last < _SEARCH_WAYS - 1
-            high = torch.where(inside, candidates.gather(0, above)[0], high)
-            count_high = torch.where(inside, counts.gather(0, above)[0], count_high)
-            low = torch.where(last >= 0, candidates.gather(0, at)[0], low)
-            count_low = torch.where(last >= 0, counts.gather(0, at)[0], count_low)
-            chosen = pick(at[0])  # (H, N)
-            moved = (last >= 0).to(chosen.device)[:, None]
-            best = chosen if best is None else torch.where(moved, chosen, best)
-            close = (low > -1) & (count_low >= target - slack)
-            if bool((close | (high - low <= precision)).all()):
-                break
-            uniform = (high - low) * (_SEARCH_WAYS + 1) > width
-        found = low > -1  # candidates lie above -1: low moved exactly where one fitted
-        if best is None or not bool(found.all()):  # a head where no candidate fitted keeps tau = -1
-            at_low = _seeds_at(cluster, low)
-            best = at_low if best is None else torch.where(found.to(at_low.device)[:, None], best, at_low)
-        return best
+        """Per head, the seeds (H, N) at the largest tau keeping at most ``plan.target`` entries
+        (:func:`~.tau_search.search_tau`, within this compressor's ``search_steps``)."""
+        return search_tau(cluster, heads, plan, self.search_steps)
