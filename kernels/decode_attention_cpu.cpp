@@ -425,10 +425,13 @@ struct Partial {
   float* out;      // (G, D)
 };
 
-// Scores of rows [0, n) of a (n, D) tile (n <= W) for one query (C vectors), plus the bias.
-template <int64_t D>
+// Scores of rows [0, n) of a (n, D) tile (n <= W) for one query (C vectors), plus the bias. FULL: n == W,
+// with no test per row: GCC kept the `r < n` test as a branch before every multiply-add, and that one loop
+// made the fp32 kernel stream at ~60% of the copy bandwidth (4K tokens, 30 layers: 9.5 -> 6.3 ms).
+template <int64_t D, bool FULL>
 inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const float* bias) {
   constexpr int64_t C = D / W;
+  if constexpr (FULL) n = W;
   vf acc[W];
   // ROWS rows at a time: their sums and the query's C vectors stay in the registers
   constexpr int64_t ROWS = W == 16 ? 8 : 4;
@@ -439,7 +442,7 @@ inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const fl
     for (int64_t c = 0; c < C; ++c) {
       const vf q = query[c];
       for (int64_t r = 0; r < ROWS; ++r)
-        if (r0 + r < n) part[r] += q * load(tile + (r0 + r) * D + W * c);
+        if (FULL || r0 + r < n) part[r] += q * load(tile + (r0 + r) * D + W * c);
     }
     for (int64_t r = 0; r < ROWS; ++r) acc[r0 + r] = part[r];
   }
@@ -531,7 +534,9 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t s = 0; s < slices; ++s) {
         const int64_t n = std::min<int64_t>(W, count - W * s);
-        vf sums = scores_of_rows<D>(q[g], key + W * s * D, n, bias == nullptr ? nullptr : bias + start + W * s);
+        const float* row_bias = bias == nullptr ? nullptr : bias + start + W * s;
+        vf sums = n == W ? scores_of_rows<D, true>(q[g], key + W * s * D, n, row_bias)
+                         : scores_of_rows<D, false>(q[g], key + W * s * D, n, row_bias);
         for (int64_t r = n; r < W; ++r) sums[r] = -INFINITY;
         store(scores[g] + W * s, sums);
       }
