@@ -1,0 +1,107 @@
+"""Time two versions of the CPU attention kernel in one process, alternating, at the default model's shapes.
+
+    python -m semanticache_rag.kernels.ab_cpu [--base HEAD] [--tokens 4000] [--storage fp32 int8 int4]
+        [--rounds 6] [--in-cache]
+
+On a shared machine the memory bandwidth moves by tens of percent between runs (and between processes
+a minute apart), so two builds timed in turn are compared in one process: ``--base`` (a git revision's
+``kernels/decode_attention_cpu.cpp``) and this checkout's file are each built as a library of their own,
+under an operator namespace of their own (``ab_base``, ``ab_work``), and each round times one step of
+each: ``--layers`` document layers of ``--tokens`` entries (as :mod:`.bench_cpu` builds them), the
+median of 5 calls. The table gives each build's median over the rounds and the largest difference
+between their outputs. ``--in-cache``: one layer of 1,000 entries on one thread, called 50 times a
+timing, in ns per entry (the arithmetic alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from semanticache_rag.kernels import cpu_ops
+from semanticache_rag.kernels.bench_cpu import STORAGES, _median_seconds, layer_inputs
+from semanticache_rag.models import home_dir
+
+SOURCE = Path(__file__).with_name("decode_attention_cpu.cpp")
+HEADER = Path(__file__).with_name("cpu_ops.h")
+
+
+def build(tag: str, source: str) -> tuple[torch.library.Library, Callable[..., torch.Tensor]]:
+    """``source`` (the attention kernel's C++) built with its namespace renamed to ``tag``: the library
+    object (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``."""
+    directory = home_dir() / "kernels" / "ab" / tag
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "cpu_ops.h").write_text(HEADER.read_text().replace("semanticache", tag))
+    code = source.replace("semanticache", tag).replace('#include "cpu_ops.h"', f'#include "{directory}/cpu_ops.h"')
+    (directory / "kernel.cpp").write_text(code)
+    library = torch.library.Library(tag, "DEF")
+    library.define(cpu_ops.SCHEMAS["decode_attention"][0])
+    cpp_extension.load(
+        f"ab_{tag}",
+        [str(directory / "kernel.cpp")],
+        extra_cflags=list(cpu_ops.FLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+    )
+    return library, getattr(torch.ops, tag).decode_attention
+
+
+def base_source(revision: str) -> str:
+    """The kernel's source at a git revision of this checkout."""
+    root = SOURCE.resolve().parent.parent
+    relative = SOURCE.resolve().relative_to(root).as_posix()
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), "show", f"{revision}:{relative}"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"cannot read {relative} at {revision!r} (is this a git checkout?): {exc}") from exc
+
+
+def step_seconds(op: Callable[..., torch.Tensor], layers: list[tuple], repeats: int) -> float:
+    """The median time of `repeats` steps, each ``op`` over every layer's arguments."""
+    return _median_seconds(lambda: [op(*args) for args in layers], repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of the kernel to compare against")
+    parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--storage", nargs="+", choices=STORAGES, default=["fp32", "int8", "int4"])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--in-cache", action="store_true", help="ns per entry on one thread, in cache")
+    args = parser.parse_args(argv)
+    builds = {"base": build("ab_base", base_source(args.base)), "work": build("ab_work", SOURCE.read_text())}
+    if args.in_cache:
+        torch.set_num_threads(1)
+    unit = "ns/entry (1 thread, in cache)" if args.in_cache else f"ms a step ({torch.get_num_threads()} threads)"
+    print(f"{args.base} against this checkout; {unit}")
+    print(f"{'storage':>8} {'tokens':>7} {'base':>8} {'work':>8} {'work/base':>10} {'max diff':>9}")
+    with torch.inference_mode():
+        for storage in args.storage:
+            if args.in_cache:
+                layers, repeats, scale = [layer_inputs(3, 3, 64, 1000, storage, 0)] * 50, 3, 1e9 / (50 * 3000)
+            else:
+                layers = [layer_inputs(3, 3, 64, args.tokens, storage, seed) for seed in range(args.layers)]
+                repeats, scale = 5, 1e3
+            outputs = {name: [op(*a) for a in layers[:2]] for name, (_, op) in builds.items()}
+            difference = max(float((x - y).abs().max()) for x, y in zip(outputs["base"], outputs["work"]))
+            times: dict[str, list[float]] = {name: [] for name in builds}
+            for _ in range(args.rounds):
+                for name, (_, op) in builds.items():
+                    times[name].append(scale * step_seconds(op, layers, repeats))
+            base, work = (statistics.median(times[name]) for name in ("base", "work"))
+            tokens = 1000 if args.in_cache else args.tokens
+            print(f"{storage:>8} {tokens:>7} {base:>8.2f} {work:>8.2f} {work / base:>10.3f} {difference:>9.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
