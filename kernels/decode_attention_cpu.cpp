@@ -2,8 +2,9 @@
 //
 // The C++ twin of kernels/decode_attention_ref.py (same arguments, same result up to the rounding of
 // reordered sums). The document's keys and values are read once, as they are stored (fp32, fp16 or
-// bf16, or 8/4/3-bit group codes with fp16 scales and minimums), one row at a time into a buffer that
-// stays in L1, so no full-precision copy of a coded layer is ever built. Work is split flash-decoding
+// bf16, or 8/4/3-bit group codes with fp16 scales and minimums), and decoded a vector at a time where they
+// are used (with AVX-512; otherwise a pass of rows at a time into a tile that stays in L1), so no
+// full-precision copy of a coded layer is ever built. Work is split flash-decoding
 // style (Dao et al. 2023, https://pytorch.org/blog/flash-decoding/): each (kv head, block of entries)
 // keeps a running maximum, sum and output (online softmax), and the blocks are merged by their
 // log-sum-exp at the end. Grouped-query aware: each key row is read once for the G query heads that
@@ -30,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -113,7 +115,7 @@ inline float sum_lanes(vf v) {
 // The lane sums of W vectors, as one vector (lane r: the sum of a[r]), by halving shuffles: each level
 // adds the two halves of every block, packing two vectors' blocks into one.
 #if defined(__AVX512F__)
-inline vf reduce_lanes(const vf* a) {
+inline __attribute__((always_inline)) vf reduce_lanes(const vf* a) {
   vf b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i) {
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -133,14 +135,14 @@ inline vf reduce_lanes(const vf* a) {
 #elif defined(__AVX__)
 // AVX's in-lane pair sums (the generic shuffles below become cross-lane permutes and blends here, ~2x the
 // instructions): per 128-bit half, two levels of hadd sum each vector's four lanes; the halves then add.
-inline vf reduce_lanes(const vf* a) {
+inline __attribute__((always_inline)) vf reduce_lanes(const vf* a) {
   const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
   const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes r, r + 4: a[r]'s halves' sums
   return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #else
-inline vf reduce_lanes(const vf* a) {
+inline __attribute__((always_inline)) vf reduce_lanes(const vf* a) {
   vf b[4], c[2];
   for (int i = 0; i < 4; ++i) {
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -246,7 +248,7 @@ struct Rows {
   const uint16_t* scales = nullptr;
   const uint16_t* minimums = nullptr;
   int64_t scale_head_stride = 0, scale_row_stride = 0;  // elements
-  int64_t groups = 1;
+  int64_t groups = 1, group_width = 0;  // group_width: channels a group
   int64_t group_of_vector[256 / W] = {};  // the group of channels [W c, W c + W), where a group spans whole vectors
   Format format = Format::fp32;
   // 4-bit rows decoded 2 W channels at a time, in "paired" order: the block's even channels (low nibbles),
@@ -268,6 +270,19 @@ struct Rows {
       case Format::bf16: return decode_rows<D, Format::bf16>(first, count, nullptr, nullptr, tile);
       default: break;
     }
+    convert_factors(head, start, count, factors);
+    const float* scale = factors;
+    const float* minimum = factors + count * groups;
+    switch (format) {
+      case Format::int8: return decode_rows<D, Format::int8>(first, count, scale, minimum, tile);
+      case Format::int4: return decode_rows<D, Format::int4>(first, count, scale, minimum, tile);
+      default: return decode_rows<D, Format::int3>(first, count, scale, minimum, tile);
+    }
+  }
+
+  // The scales and minimums of coded rows [start, start + count) of `head` as floats: factors[j * groups + g]
+  // and factors[count * groups + j * groups + g] (converted W at a time where the tile's are contiguous).
+  void convert_factors(int64_t head, int64_t start, int64_t count, float* factors) const {
     const int64_t offset = head * scale_head_stride + start * scale_row_stride, n = count * groups;
     float* scale = factors;
     float* minimum = factors + n;
@@ -292,11 +307,14 @@ struct Rows {
         }
       }
     }
-    switch (format) {
-      case Format::int8: return decode_rows<D, Format::int8>(first, count, scale, minimum, tile);
-      case Format::int4: return decode_rows<D, Format::int4>(first, count, scale, minimum, tile);
-      default: return decode_rows<D, Format::int3>(first, count, scale, minimum, tile);
-    }
+  }
+
+  // Whether the rows can be decoded a vector at a time where they are used (Decoded), rather than into a tile
+  // first: 16-bit rows, and codes whose groups span whole vectors (AVX-512 only: with AVX2's 16 registers the
+  // query heads' sums do not fit beside the query).
+  bool decoded_in_registers() const {
+    if (W != 16 || format == Format::fp32) return false;
+    return format == Format::fp16 || format == Format::bf16 || group_width % W == 0;
   }
 
   // At the pass of rows from `start` (a task's rows [begin, end)), ask for the rows ~PREFETCH_BYTES ahead of
@@ -412,10 +430,69 @@ Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales
   rows.scale_head_stride = s.stride(0);
   rows.scale_row_stride = s.stride(1);
   rows.groups = s.size(2);
+  rows.group_width = dim / rows.groups;
   for (int64_t c = 0; c < dim / W; ++c) rows.group_of_vector[c] = W * c / (dim / rows.groups);
   rows.format = bits == 8 ? Format::int8 : bits == 4 ? Format::int4 : Format::int3;
   rows.paired = bits == 4 && dim % (2 * W) == 0 && (dim / rows.groups) % (2 * W) == 0;
   return rows;
+}
+
+// Where a pass's rows are read from, a vector (channels [W c, W c + W) of row j) at a time: a tile of fp32 rows
+// (stored so, or decoded into it first), or the stored rows decoded where they are used, with the arithmetic
+// of Rows::decode_rows (the same values, bit for bit), so that no decoded tile is stored and loaded again.
+template <int64_t D>
+struct Tile {
+  const float* rows;
+  vf operator()(int64_t j, int64_t c) const { return load(rows + j * D + W * c); }
+};
+
+template <Format F, bool PAIRED>
+struct Decoded {
+  const uint8_t* first;
+  int64_t row_stride, groups;
+  const float* scale;    // (count, groups), from Rows::convert_factors
+  const float* minimum;  // (count, groups)
+  const int64_t* group_of_vector;
+  inline __attribute__((always_inline)) vf operator()(int64_t j, int64_t c) const {
+    const uint8_t* raw = first + j * row_stride;
+    if constexpr (F == Format::fp16 || F == Format::bf16) {
+      return sixteen_bits<F == Format::bf16>(raw, c);
+    } else {
+      const int64_t g = group_of_vector[PAIRED ? c & ~int64_t{1} : c];
+      const float s = scale[j * groups + g], m = minimum[j * groups + g];
+      if constexpr (PAIRED) {  // vectors c and c + 1 (c even): the low and high nibbles of the same W bytes
+        vb b;
+        std::memcpy(&b, raw + W / 2 * (c & ~int64_t{1}), W);
+        const vi lanes = widen(b);
+        return __builtin_convertvector(c % 2 == 0 ? lanes & 15 : lanes >> 4, vf) * s + m;
+      } else {
+        return codes<F>(raw, c) * s + m;
+      }
+    }
+  }
+};
+
+// Rows [start, start + count) of `head` as a source for `body`: decoded where they are used where they can be
+// (Rows::decoded_in_registers), otherwise as a tile. The format is dispatched here, once per pass.
+template <int64_t D, class Body>
+inline void with_rows(const Rows& rows, int64_t head, int64_t start, int64_t count, float* tile, float* factors,
+                      Body&& body) {
+  if (!rows.decoded_in_registers()) return body(Tile<D>{rows.rows<D>(head, start, count, tile, factors)});
+  const uint8_t* first = rows.data + head * rows.head_stride + start * rows.row_stride;
+  if (rows.format != Format::fp16 && rows.format != Format::bf16) rows.convert_factors(head, start, count, factors);
+  const float* minimum = factors + count * rows.groups;
+  const auto decoded = [&]<Format F, bool PAIRED>() {
+    return Decoded<F, PAIRED>{first, rows.row_stride, rows.groups, factors, minimum, rows.group_of_vector};
+  };
+  switch (rows.format) {
+    case Format::fp16: return body(decoded.template operator()<Format::fp16, false>());
+    case Format::bf16: return body(decoded.template operator()<Format::bf16, false>());
+    case Format::int8: return body(decoded.template operator()<Format::int8, false>());
+    case Format::int4:
+      if (rows.paired) return body(decoded.template operator()<Format::int4, true>());
+      return body(decoded.template operator()<Format::int4, false>());
+    default: return body(decoded.template operator()<Format::int3, false>());
+  }
 }
 
 // The running state of one task: per query head the maximum logit, the sum of exp and the output.
@@ -454,6 +531,46 @@ inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const fl
   return sums;
 }
 
+// The same for GB query heads at a time from rows [first, first + n) of a source (Decoded: each vector of a row
+// decoded once for the GB heads, where it is used), into out[b]. The same sums as scores_of_rows, bit for bit.
+template <int64_t D, bool FULL, int64_t GB, class Source>
+inline void scores_of_decoded_rows(const vf (*query)[D / W], const Source& key, int64_t first, int64_t n,
+                           const float* bias, vf* out) {
+  constexpr int64_t C = D / W;
+  if constexpr (FULL) n = W;
+  vf acc[GB][W];
+  // ROWS rows at a time: their GB sums and the query's vectors stay in the registers
+  constexpr int64_t ROWS = GB > 1 ? 4 : W == 16 ? 8 : 4;
+#pragma GCC unroll 4
+  for (int64_t r0 = 0; r0 < W; r0 += ROWS) {
+    vf part[GB][ROWS];
+    for (int64_t b = 0; b < GB; ++b)
+      for (int64_t r = 0; r < ROWS; ++r) part[b][r] = vf{};
+#pragma GCC unroll 32
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t r = 0; r < ROWS; ++r) {
+        if (FULL || r0 + r < n) {
+          const vf k = key(first + r0 + r, c);
+          for (int64_t b = 0; b < GB; ++b) part[b][r] += query[b][c] * k;
+        }
+      }
+    }
+    for (int64_t b = 0; b < GB; ++b)
+      for (int64_t r = 0; r < ROWS; ++r) acc[b][r0 + r] = part[b][r];
+  }
+  for (int64_t b = 0; b < GB; ++b) {
+    vf sums = reduce_lanes(acc[b]);
+    if (bias != nullptr) {
+      if (n == W) {
+        sums += load(bias);
+      } else {
+        for (int64_t r = 0; r < n; ++r) sums[r] += bias[r];
+      }
+    }
+    out[b] = sums;
+  }
+}
+
 // Query heads and channel vectors whose weighted values are summed together: each value vector is loaded
 // once for GROUP_BLOCK heads, and GROUP_BLOCK x VALUE_BLOCK sums, the heads' weights and the loaded vector
 // fit in the registers (16 with AVX2, 32 with AVX-512).
@@ -463,21 +580,23 @@ inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const fl
 #define GROUP_BLOCK_SIZE 3
 #endif
 constexpr int64_t GROUP_BLOCK = GROUP_BLOCK_SIZE, VALUE_BLOCK = 4;
+// query heads scored together from rows decoded where they are used: 3 x 4 sums and 3 x C query vectors (C = 4
+// at D = 64) in AVX-512's 32 registers
+constexpr int64_t KEY_GROUP_BLOCK = 3;
 
 // out[b][W k] (b < GB: query heads, k < CB: channel vectors; head b's row at out + b * D) rescaled by
 // rescale[b], plus the sum over rows j < count of weights[b][j] * value[j][c + k].
-template <int64_t D, int64_t GB, int64_t CB>
-inline void add_values(const float* value, int64_t count, const float (*weights)[ENTRIES_PER_PASS],
-                       const float* rescale, float* out, int64_t c) {
+template <int64_t D, int64_t GB, int64_t CB, class Source>
+inline __attribute__((always_inline)) void add_values(const Source& value, int64_t count, const float (*weights)[ENTRIES_PER_PASS], const float* rescale,
+                       float* out, int64_t c) {
   vf sums[GB][CB];
   for (int64_t b = 0; b < GB; ++b)
     for (int64_t k = 0; k < CB; ++k) sums[b][k] = load(out + b * D + W * k) * rescale[b];
-  const float* column = value + W * c;
   for (int64_t j = 0; j < count; ++j) {
     vf weight[GB];
     for (int64_t b = 0; b < GB; ++b) weight[b] = splat(weights[b][j]);
     for (int64_t k = 0; k < CB; ++k) {
-      const vf v = load(column + j * D + W * k);
+      const vf v = value(j, c + k);
       for (int64_t b = 0; b < GB; ++b) sums[b][k] += weight[b] * v;
     }
   }
@@ -506,9 +625,13 @@ void pair_channels(float* rows, int64_t count, bool back) {
 }
 
 // Online-softmax update of `partial` with entries [begin, end) of `keys`/`values` (one kv head), in
-// passes of ENTRIES_PER_PASS: a tile of keys decoded (where coded), its scores for the G query heads,
-// the running maximum and sum, then a tile of values added into the G outputs, kept in registers.
-template <int64_t D>
+// passes of ENTRIES_PER_PASS: the pass's keys scored for the G query heads, the running maximum and sum, then
+// its values added into the G outputs, kept in registers. DECODED: coded or 16-bit rows are decoded a
+// vector at a time where they are used (with_rows), each key vector once for KEY_GROUP_BLOCK query heads;
+// otherwise (fp32 rows, AVX2) a tile of rows is read (or decoded first) and scored one query head at a
+// time. Storing a decoded tile and loading it again for each head made 8-bit rows ~1.4x slower (4K tokens,
+// 30 layers: 6.1 -> 4.4 ms); fp32 rows keep the tile loop, which the decoded one slowed by ~10%.
+template <int64_t D, bool DECODED>
 void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
                  int64_t head, int64_t begin, int64_t end, Partial partial) {
   constexpr int64_t C = D / W, SLICES = ENTRIES_PER_PASS / W;
@@ -530,15 +653,40 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     keys.prefetch_ahead(head, start, begin, end);
     values.prefetch_ahead(head, start, begin, end);
     // -- scores of the pass, W rows at a time (padding lanes -inf)
-    const float* key = keys.rows<D>(head, start, count, tile, factors);
-    for (int64_t g = 0; g < group; ++g) {
-      for (int64_t s = 0; s < slices; ++s) {
-        const int64_t n = std::min<int64_t>(W, count - W * s);
-        const float* row_bias = bias == nullptr ? nullptr : bias + start + W * s;
-        vf sums = n == W ? scores_of_rows<D, true>(q[g], key + W * s * D, n, row_bias)
-                         : scores_of_rows<D, false>(q[g], key + W * s * D, n, row_bias);
-        for (int64_t r = n; r < W; ++r) sums[r] = -INFINITY;
-        store(scores[g] + W * s, sums);
+    if constexpr (DECODED) {  // KEY_GROUP_BLOCK query heads at a time
+      with_rows<D>(keys, head, start, count, tile, factors, [&](auto key) {
+        constexpr int64_t GB = KEY_GROUP_BLOCK;
+        for (int64_t g = 0; g < group; g += GB) {
+          const int64_t heads = std::min(GB, group - g);
+          for (int64_t s = 0; s < slices; ++s) {
+            const int64_t n = std::min<int64_t>(W, count - W * s);
+            const float* row_bias = bias == nullptr ? nullptr : bias + start + W * s;
+            vf sums[GB];
+            if (heads == GB) {
+              if (n == W) scores_of_decoded_rows<D, true, GB>(q + g, key, W * s, n, row_bias, sums);
+              else scores_of_decoded_rows<D, false, GB>(q + g, key, W * s, n, row_bias, sums);
+            } else {  // the last heads, one at a time
+              for (int64_t b = 0; b < heads; ++b)
+                scores_of_decoded_rows<D, false, 1>(q + g + b, key, W * s, n, row_bias, sums + b);
+            }
+            for (int64_t b = 0; b < heads; ++b) {
+              for (int64_t r = n; r < W; ++r) sums[b][r] = -INFINITY;
+              store(scores[g + b] + W * s, sums[b]);
+            }
+          }
+        }
+      });
+    } else {  // one query head at a time, from a tile
+      const float* key = keys.rows<D>(head, start, count, tile, factors);
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t s = 0; s < slices; ++s) {
+          const int64_t n = std::min<int64_t>(W, count - W * s);
+          const float* row_bias = bias == nullptr ? nullptr : bias + start + W * s;
+          vf sums = n == W ? scores_of_rows<D, true>(q[g], key + W * s * D, n, row_bias)
+                           : scores_of_rows<D, false>(q[g], key + W * s * D, n, row_bias);
+          for (int64_t r = n; r < W; ++r) sums[r] = -INFINITY;
+          store(scores[g] + W * s, sums);
+        }
       }
     }
     // -- new maximum and sum; scores become weights, the outputs so far are rescaled
@@ -566,21 +714,28 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
       partial.maximum[g] = maximum;
     }
     // -- weighted values, GROUP_BLOCK query heads and VALUE_BLOCK channel vectors at a time
-    const float* value = values.rows<D>(head, start, count, tile, factors);
-    constexpr int64_t CB = std::min(C, VALUE_BLOCK);
-    for (int64_t g = 0; g < group; g += GROUP_BLOCK) {
-      for (int64_t c = 0; c < C; c += CB) {
-        switch (std::min(GROUP_BLOCK, group - g)) {
-          case 1: add_values<D, 1, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c); break;
-          case 2: add_values<D, 2, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c); break;
+    const auto add_pass_values = [&](const auto& value) {
+      constexpr int64_t CB = std::min(C, VALUE_BLOCK);
+      for (int64_t g = 0; g < group; g += GROUP_BLOCK) {
+        for (int64_t c = 0; c < C; c += CB) {
+          float* out = partial.out + g * D + W * c;
+          switch (std::min(GROUP_BLOCK, group - g)) {
+            case 1: add_values<D, 1, CB>(value, count, scores + g, rescale + g, out, c); break;
+            case 2: add_values<D, 2, CB>(value, count, scores + g, rescale + g, out, c); break;
 #if GROUP_BLOCK_SIZE > 3
-          case 3: add_values<D, 3, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c); break;
-          default: add_values<D, 4, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c);
+            case 3: add_values<D, 3, CB>(value, count, scores + g, rescale + g, out, c); break;
+            default: add_values<D, 4, CB>(value, count, scores + g, rescale + g, out, c);
 #else
-          default: add_values<D, 3, CB>(value, count, scores + g, rescale + g, partial.out + g * D + W * c, c);
+            default: add_values<D, 3, CB>(value, count, scores + g, rescale + g, out, c);
 #endif
+          }
         }
       }
+    };
+    if constexpr (DECODED) {
+      with_rows<D>(values, head, start, count, tile, factors, add_pass_values);
+    } else {
+      add_pass_values(Tile<D>{values.rows<D>(head, start, count, tile, factors)});
     }
   }
   if (values.paired) pair_channels<D>(partial.out, group, true);
@@ -588,12 +743,21 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
 
 void attend(int64_t dim, const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
             int64_t head, int64_t begin, int64_t end, Partial partial) {
+  if (keys.decoded_in_registers() || values.decoded_in_registers()) {
+    switch (dim) {
+      case 16: return attend_rows<16, true>(query, group, keys, values, bias, head, begin, end, partial);
+      case 32: return attend_rows<32, true>(query, group, keys, values, bias, head, begin, end, partial);
+      case 64: return attend_rows<64, true>(query, group, keys, values, bias, head, begin, end, partial);
+      case 128: return attend_rows<128, true>(query, group, keys, values, bias, head, begin, end, partial);
+      default: return attend_rows<256, true>(query, group, keys, values, bias, head, begin, end, partial);
+    }
+  }
   switch (dim) {
-    case 16: return attend_rows<16>(query, group, keys, values, bias, head, begin, end, partial);
-    case 32: return attend_rows<32>(query, group, keys, values, bias, head, begin, end, partial);
-    case 64: return attend_rows<64>(query, group, keys, values, bias, head, begin, end, partial);
-    case 128: return attend_rows<128>(query, group, keys, values, bias, head, begin, end, partial);
-    default: return attend_rows<256>(query, group, keys, values, bias, head, begin, end, partial);
+    case 16: return attend_rows<16, false>(query, group, keys, values, bias, head, begin, end, partial);
+    case 32: return attend_rows<32, false>(query, group, keys, values, bias, head, begin, end, partial);
+    case 64: return attend_rows<64, false>(query, group, keys, values, bias, head, begin, end, partial);
+    case 128: return attend_rows<128, false>(query, group, keys, values, bias, head, begin, end, partial);
+    default: return attend_rows<256, false>(query, group, keys, values, bias, head, begin, end, partial);
   }
 }
 

@@ -101,6 +101,20 @@ def test_kernel_on_an_empty_document_is_attention_over_the_appended_tokens(kerne
     torch.testing.assert_close(kernel(*args), probs @ args[11], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("storage", ["fp16", "bf16", "int8", "int3"])
+@pytest.mark.parametrize("dim,group", [(64, 3), (128, 4), (16, 1), (64, 8)])
+def test_coded_rows_attend_bit_for_bit_as_the_same_rows_in_fp32(kernel, storage, dim, group):
+    """Rows are decoded with the twin's roundings (codes x scale + minimum, 16-bit floats widened), where
+    they are used (AVX-512: a vector at a time, for up to 3 query heads) or into a tile first, and then
+    attended with the fp32 rows' arithmetic: the same result, bit for bit, as the decoded rows given as fp32.
+    (4-bit rows in paired channel order sum their channels in another order: within rounding, tested above.)"""
+    args = list(inputs(3, group, dim, 1030, 9, storage, storage))
+    keys = decode_attention_ref.decoded(*args[1:5], dim)
+    values = decode_attention_ref.decoded(*args[5:9], dim)
+    plain = [args[0], keys, None, None, 32, values, None, None, 32, *args[9:]]
+    assert torch.equal(kernel(*args), kernel(*plain))
+
+
 def test_duplicated_entries_attend_as_one_entry_with_log_size(kernel):
     """s identical rows equal one row with bias log s (proportional attention), through the kernel."""
     query, key, _, _, _, value, _, _, _, _, new_keys, new_values = inputs(2, 3, 64, 40, 4, "fp32", "fp32")
