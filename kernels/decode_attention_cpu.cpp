@@ -431,9 +431,9 @@ Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales
   rows.scale_row_stride = s.stride(1);
   rows.groups = s.size(2);
   rows.group_width = dim / rows.groups;
-  for (int64_t c = 0; c < dim / W; ++c) rows.group_of_vector[c] = W * c / (dim / rows.groups);
+  for (int64_t c = 0; c < dim / W; ++c) rows.group_of_vector[c] = W * c / rows.group_width;
   rows.format = bits == 8 ? Format::int8 : bits == 4 ? Format::int4 : Format::int3;
-  rows.paired = bits == 4 && dim % (2 * W) == 0 && (dim / rows.groups) % (2 * W) == 0;
+  rows.paired = bits == 4 && dim % (2 * W) == 0 && rows.group_width % (2 * W) == 0;
   return rows;
 }
 
@@ -535,7 +535,7 @@ inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const fl
 // decoded once for the GB heads, where it is used), into out[b]. The same sums as scores_of_rows, bit for bit.
 template <int64_t D, bool FULL, int64_t GB, class Source>
 inline void scores_of_decoded_rows(const vf (*query)[D / W], const Source& key, int64_t first, int64_t n,
-                           const float* bias, vf* out) {
+                                   const float* bias, vf* out) {
   constexpr int64_t C = D / W;
   if constexpr (FULL) n = W;
   vf acc[GB][W];
@@ -587,8 +587,9 @@ constexpr int64_t KEY_GROUP_BLOCK = 3;
 // out[b][W k] (b < GB: query heads, k < CB: channel vectors; head b's row at out + b * D) rescaled by
 // rescale[b], plus the sum over rows j < count of weights[b][j] * value[j][c + k].
 template <int64_t D, int64_t GB, int64_t CB, class Source>
-inline __attribute__((always_inline)) void add_values(const Source& value, int64_t count, const float (*weights)[ENTRIES_PER_PASS], const float* rescale,
-                       float* out, int64_t c) {
+inline __attribute__((always_inline)) void add_values(const Source& value, int64_t count,
+                                                      const float (*weights)[ENTRIES_PER_PASS], const float* rescale,
+                                                      float* out, int64_t c) {
   vf sums[GB][CB];
   for (int64_t b = 0; b < GB; ++b)
     for (int64_t k = 0; k < CB; ++k) sums[b][k] = load(out + b * D + W * k) * rescale[b];
@@ -741,24 +742,23 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
   if (values.paired) pair_channels<D>(partial.out, group, true);
 }
 
+template <bool DECODED>
+void attend_dim(int64_t dim, const float* query, int64_t group, const Rows& keys, const Rows& values,
+                const float* bias, int64_t head, int64_t begin, int64_t end, Partial partial) {
+  switch (dim) {
+    case 16: return attend_rows<16, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
+    case 32: return attend_rows<32, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
+    case 64: return attend_rows<64, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
+    case 128: return attend_rows<128, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
+    default: return attend_rows<256, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
+  }
+}
+
 void attend(int64_t dim, const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
             int64_t head, int64_t begin, int64_t end, Partial partial) {
-  if (keys.decoded_in_registers() || values.decoded_in_registers()) {
-    switch (dim) {
-      case 16: return attend_rows<16, true>(query, group, keys, values, bias, head, begin, end, partial);
-      case 32: return attend_rows<32, true>(query, group, keys, values, bias, head, begin, end, partial);
-      case 64: return attend_rows<64, true>(query, group, keys, values, bias, head, begin, end, partial);
-      case 128: return attend_rows<128, true>(query, group, keys, values, bias, head, begin, end, partial);
-      default: return attend_rows<256, true>(query, group, keys, values, bias, head, begin, end, partial);
-    }
-  }
-  switch (dim) {
-    case 16: return attend_rows<16, false>(query, group, keys, values, bias, head, begin, end, partial);
-    case 32: return attend_rows<32, false>(query, group, keys, values, bias, head, begin, end, partial);
-    case 64: return attend_rows<64, false>(query, group, keys, values, bias, head, begin, end, partial);
-    case 128: return attend_rows<128, false>(query, group, keys, values, bias, head, begin, end, partial);
-    default: return attend_rows<256, false>(query, group, keys, values, bias, head, begin, end, partial);
-  }
+  if (keys.decoded_in_registers() || values.decoded_in_registers())
+    return attend_dim<true>(dim, query, group, keys, values, bias, head, begin, end, partial);
+  return attend_dim<false>(dim, query, group, keys, values, bias, head, begin, end, partial);
 }
 
 }  // namespace
