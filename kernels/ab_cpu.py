@@ -5,7 +5,8 @@
 
 On a shared machine the memory bandwidth moves by tens of percent between runs (and between processes
 a minute apart), so two builds timed in turn are compared in one process: ``--base`` (a git revision's
-``kernels/decode_attention_cpu.cpp``) and this checkout's file are each built as a library of their own,
+``kernels/decode_attention_cpu.cpp`` with the headers it includes from ``kernels/``) and this checkout's are
+each built as a library of their own,
 under an operator namespace of their own (``ab_base``, ``ab_work``), and each round times one step of
 each: ``--layers`` document layers of ``--tokens`` entries (as :mod:`.bench_cpu` builds them), the
 median of 5 calls. The table gives each build's median over the rounds and the largest difference
@@ -16,6 +17,7 @@ timing, in ns per entry (the arithmetic alone).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -29,17 +31,29 @@ from semanticache_rag.kernels.bench_cpu import STORAGES, _median_seconds, layer_
 from semanticache_rag.models import home_dir
 
 SOURCE = Path(__file__).with_name("decode_attention_cpu.cpp")
-HEADER = Path(__file__).with_name("cpu_ops.h")
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.h)"', re.MULTILINE)
 
 
-def build(tag: str, source: str) -> tuple[torch.library.Library, Callable[..., torch.Tensor]]:
-    """``source`` (the attention kernel's C++) built with its namespace renamed to ``tag``: the library
-    object (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``."""
+def with_headers(source: str, read: Callable[[str], str]) -> dict[str, str]:
+    """The kernel's source and every header it includes from its folder (and they include), by file name;
+    ``read(name)`` gives a header's text."""
+    files = {"kernel.cpp": source}
+    pending = _INCLUDE.findall(source)
+    while pending:
+        name = pending.pop()
+        if name not in files:
+            files[name] = read(name)
+            pending.extend(_INCLUDE.findall(files[name]))
+    return files
+
+
+def build(tag: str, files: dict[str, str]) -> tuple[torch.library.Library, Callable[..., torch.Tensor]]:
+    """The attention kernel (``files``: from :func:`with_headers`) built with its namespace renamed to
+    ``tag``: the library object (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``."""
     directory = home_dir() / "kernels" / "ab" / tag
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "cpu_ops.h").write_text(HEADER.read_text().replace("semanticache", tag))
-    code = source.replace("semanticache", tag).replace('#include "cpu_ops.h"', f'#include "{directory}/cpu_ops.h"')
-    (directory / "kernel.cpp").write_text(code)
+    for name, text in files.items():  # side by side: the includes find the headers beside kernel.cpp
+        (directory / name).write_text(text.replace("semanticache", tag))
     library = torch.library.Library(tag, "DEF")
     library.define(cpu_ops.SCHEMAS["decode_attention"][0])
     cpp_extension.load(
@@ -52,16 +66,28 @@ def build(tag: str, source: str) -> tuple[torch.library.Library, Callable[..., t
     return library, getattr(torch.ops, tag).decode_attention
 
 
-def base_source(revision: str) -> str:
-    """The kernel's source at a git revision of this checkout."""
+def base_files(revision: str) -> dict[str, str]:
+    """The kernel's source and headers at a git revision of this checkout."""
     root = SOURCE.resolve().parent.parent
-    relative = SOURCE.resolve().relative_to(root).as_posix()
-    try:
-        return subprocess.run(
-            ["git", "-C", str(root), "show", f"{revision}:{relative}"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise SystemExit(f"cannot read {relative} at {revision!r} (is this a git checkout?): {exc}") from exc
+    folder = SOURCE.resolve().parent.relative_to(root).as_posix()
+
+    def show(name: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", "-C", str(root), "show", f"{revision}:{folder}/{name}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise SystemExit(f"cannot read {folder}/{name} at {revision!r} (is this a git checkout?): {exc}") from exc
+
+    return with_headers(show(SOURCE.name), show)
+
+
+def work_files() -> dict[str, str]:
+    """This checkout's kernel source and headers."""
+    return with_headers(SOURCE.read_text(), lambda name: SOURCE.with_name(name).read_text())
 
 
 def step_seconds(op: Callable[..., torch.Tensor], layers: list[tuple], repeats: int) -> float:
@@ -78,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-cache", action="store_true", help="ns per entry on one thread, in cache")
     args = parser.parse_args(argv)
-    builds = {"base": build("ab_base", base_source(args.base)), "work": build("ab_work", SOURCE.read_text())}
+    builds = {"base": build("ab_base", base_files(args.base)), "work": build("ab_work", work_files())}
     if args.in_cache:
         torch.set_num_threads(1)
     unit = "ns/entry (1 thread, in cache)" if args.in_cache else f"ms a step ({torch.get_num_threads()} threads)"

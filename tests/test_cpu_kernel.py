@@ -192,17 +192,20 @@ def test_the_benchmark_times_every_storage_it_is_given(kernel, tmp_path):
 
 def test_the_ab_tool_builds_a_kernel_under_its_own_namespace(kernel):
     """``python -m semanticache_rag.kernels.ab_cpu``'s builds: the kernel's source under another operator
-    namespace computes what the library's kernel computes, bit for bit; the base source comes from git."""
+    namespace computes what the library's kernel computes, bit for bit, with the headers it includes (and
+    they include) beside it; the base source comes from git."""
     from semanticache_rag.kernels import ab_cpu
 
-    library, op = ab_cpu.build("ab_test", ab_cpu.SOURCE.read_text())
+    files = ab_cpu.work_files()
+    assert {"kernel.cpp", "cpu_ops.h", "cpu_vectors.h", "attention_rows.h", "attention_sums.h"} <= files.keys()
+    library, op = ab_cpu.build("ab_test", files)
     args = inputs(3, 3, 64, 200, 5, "int8", "int4")
     assert torch.equal(op(*args), kernel(*args))
     assert library.ns == "ab_test"
     if (ab_cpu.SOURCE.parent.parent / ".git").exists():
-        assert "TORCH_LIBRARY_IMPL(semanticache, CPU" in ab_cpu.base_source("HEAD")
+        assert "TORCH_LIBRARY_IMPL(semanticache, CPU" in ab_cpu.base_files("HEAD")["kernel.cpp"]
     with pytest.raises(SystemExit, match="no-such-revision"):
-        ab_cpu.base_source("no-such-revision")
+        ab_cpu.base_files("no-such-revision")
 
 
 def test_the_benchmarks_overlap_places_the_kernel_between_max_and_sum():

@@ -1,0 +1,332 @@
+// Stored keys and values as the CPU attention kernel (kernels/decode_attention_cpu.cpp, which alone includes
+// this) reads them: rows of fp32, fp16/bf16 or 8/4/3-bit group codes with fp16 scales and minimums, as a tile
+// of fp32 rows or decoded a vector at a time where they are used.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "cpu_vectors.h"
+
+namespace semanticache::cpu {
+
+constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax update (a multiple of 16)
+// how far ahead a pass asks for its rows: a pass of fp32 rows at D = 64 is 16 KiB, of 8-bit codes 4 KiB, and
+// one pass ahead was close (4K tokens, int4 step: full cache 3-4% faster, Kaizen 0.75 the same; arithmetic unchanged)
+constexpr int64_t PREFETCH_BYTES = 32768;
+
+enum class Format { fp32, fp16, bf16, int8, int4, int3 };
+
+// Channels [W c, W c + W) of a row of 16-bit floats, as floats.
+template <bool BF16>
+inline __attribute__((always_inline)) vf sixteen_bits(const uint8_t* raw, int64_t c) {
+  vh h;
+  std::memcpy(&h, raw + 2 * W * c, sizeof h);
+  if constexpr (BF16) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
+#else
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+  } else {
+    return halves_to_floats(h);
+  }
+}
+
+// Channels [W c, W c + W) of a row's codes, as floats (widened to 32-bit lanes first: x86 has
+// per-lane shifts and conversions for those, not for bytes).
+template <Format F>
+inline __attribute__((always_inline)) vf codes(const uint8_t* raw, int64_t c) {
+  vi lanes;
+  if constexpr (F == Format::int8) {
+    vb b;
+    std::memcpy(&b, raw + W * c, W);
+    return __builtin_convertvector(widen(b), vf);
+  } else if constexpr (F == Format::int4) {  // even channels in the low nibble: each byte twice, shifted by 0 and 4
+    vb_half b;
+    std::memcpy(&b, raw + W / 2 * c, W / 2);
+#if defined(__AVX512F__)
+    const vb pairs = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+#else
+    const vb pairs = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3);
+#endif
+    for (int64_t k = 0; k < W; ++k) lanes[k] = 4 * (k % 2);
+    return __builtin_convertvector((widen(pairs) >> lanes) & 15, vf);
+  } else {  // 3 bits: eight codes per three bytes (one 24-bit word), the first channel lowest
+    const uint8_t* w = raw + 3 * W / 8 * c;
+    const int32_t first = w[0] | (w[1] << 8) | (w[2] << 16);
+#if defined(__AVX512F__)
+    const int32_t second = w[3] | (w[4] << 8) | (w[5] << 16);
+    const vi words = {first, first, first, first, first, first, first, first,
+                      second, second, second, second, second, second, second, second};
+#else
+    const vi words = vi{} + first;
+#endif
+    for (int64_t k = 0; k < W; ++k) lanes[k] = 3 * (k % 8);
+    lanes = words >> lanes;
+    return __builtin_convertvector(lanes & 7, vf);
+  }
+}
+
+// Keys or values of one layer as stored: rows (H, L, D) of `bits` bits (32: fp32, 16: fp16 or bf16,
+// 8/4/3: group codes), read a tile of rows at a time.
+struct Rows {
+  const uint8_t* data = nullptr;
+  int64_t head_stride = 0, row_stride = 0;  // bytes
+  const uint16_t* scales = nullptr;
+  const uint16_t* minimums = nullptr;
+  int64_t scale_head_stride = 0, scale_row_stride = 0;  // elements
+  int64_t groups = 1, group_width = 0;  // group_width: channels a group
+  int64_t group_of_vector[256 / W] = {};  // the group of channels [W c, W c + W), where a group spans whole vectors
+  Format format = Format::fp32;
+  // 4-bit rows decoded 2 W channels at a time, in "paired" order: the block's even channels (low nibbles),
+  // then its odd ones (high nibbles), with no shuffle; the kernel permutes the query the same way for keys
+  // and its outputs back for values. Set where a group spans whole blocks.
+  bool paired = false;
+
+  // Rows [start, start + count) of `head` as a (count, D) fp32 tile: the data itself where it is
+  // contiguous fp32, otherwise decoded into `tile` (codes: their scales and minimums converted first,
+  // W at a time, into `factors`, count * groups each). The format is dispatched here, once per tile.
+  template <int64_t D>
+  const float* rows(int64_t head, int64_t start, int64_t count, float* tile, float* factors) const {
+    const uint8_t* first = data + head * head_stride + start * row_stride;
+    switch (format) {
+      case Format::fp32:
+        if (row_stride == D * 4) return reinterpret_cast<const float*>(first);
+        return decode_rows<D, Format::fp32>(first, count, nullptr, nullptr, tile);
+      case Format::fp16: return decode_rows<D, Format::fp16>(first, count, nullptr, nullptr, tile);
+      case Format::bf16: return decode_rows<D, Format::bf16>(first, count, nullptr, nullptr, tile);
+      default: break;
+    }
+    convert_factors(head, start, count, factors);
+    const float* scale = factors;
+    const float* minimum = factors + count * groups;
+    switch (format) {
+      case Format::int8: return decode_rows<D, Format::int8>(first, count, scale, minimum, tile);
+      case Format::int4: return decode_rows<D, Format::int4>(first, count, scale, minimum, tile);
+      default: return decode_rows<D, Format::int3>(first, count, scale, minimum, tile);
+    }
+  }
+
+  // The scales and minimums of coded rows [start, start + count) of `head` as floats: factors[j * groups + g]
+  // and factors[count * groups + j * groups + g] (converted W at a time where the tile's are contiguous).
+  void convert_factors(int64_t head, int64_t start, int64_t count, float* factors) const {
+    const int64_t offset = head * scale_head_stride + start * scale_row_stride, n = count * groups;
+    float* scale = factors;
+    float* minimum = factors + n;
+    if (scale_row_stride == groups) {  // the tile's factors are contiguous
+      int64_t i = 0;
+      for (; i + W <= n; i += W) {
+        vh s, m;
+        std::memcpy(&s, scales + offset + i, sizeof s);
+        std::memcpy(&m, minimums + offset + i, sizeof m);
+        store(scale + i, halves_to_floats(s));
+        store(minimum + i, halves_to_floats(m));
+      }
+      for (; i < n; ++i) {
+        scale[i] = half_to_float(scales[offset + i]);
+        minimum[i] = half_to_float(minimums[offset + i]);
+      }
+    } else {
+      for (int64_t j = 0; j < count; ++j) {
+        for (int64_t g = 0; g < groups; ++g) {
+          scale[j * groups + g] = half_to_float(scales[offset + j * scale_row_stride + g]);
+          minimum[j * groups + g] = half_to_float(minimums[offset + j * scale_row_stride + g]);
+        }
+      }
+    }
+  }
+
+  // Whether the rows can be decoded a vector at a time where they are used (Decoded), rather than into a tile
+  // first: 16-bit rows, and codes whose groups span whole vectors (AVX-512 only: with AVX2's 16 registers the
+  // query heads' sums do not fit beside the query).
+  bool decoded_in_registers() const {
+    if (W != 16 || format == Format::fp32) return false;
+    return format == Format::fp16 || format == Format::bf16 || group_width % W == 0;
+  }
+
+  // At the pass of rows from `start` (a task's rows [begin, end)), ask for the rows ~PREFETCH_BYTES ahead of
+  // it (whole passes, 1 to 16): at the first pass, every pass up to there; then the pass that far ahead.
+  void prefetch_ahead(int64_t head, int64_t start, int64_t begin, int64_t end) const {
+    const int64_t passes = std::clamp<int64_t>(PREFETCH_BYTES / (ENTRIES_PER_PASS * row_stride), 1, 16);
+    for (int64_t ahead = start == begin ? 1 : passes; ahead <= passes; ++ahead) {
+      const int64_t at = start + ahead * ENTRIES_PER_PASS;
+      if (at >= end) break;
+      prefetch(head, at, std::min(ENTRIES_PER_PASS, end - at));
+    }
+  }
+
+  // Ask for rows [start, start + count) of `head` (and their scales and minimums) to be cached.
+  void prefetch(int64_t head, int64_t start, int64_t count) const {
+    const uint8_t* first = data + head * head_stride + start * row_stride;
+    const int64_t bytes = count * row_stride;
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(first + at);
+    if (scales == nullptr) return;
+    const int64_t offset = head * scale_head_stride + start * scale_row_stride, factor_bytes = count * scale_row_stride * 2;
+    for (int64_t at = 0; at < factor_bytes; at += 64) {
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(scales + offset) + at);
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(minimums + offset) + at);
+    }
+  }
+
+  // `count` rows as (count, D) floats: fp32 copied, 16-bit converted, codes times their group's scale
+  // plus its minimum (the two roundings of decode_groups_into).
+  template <int64_t D, Format F>
+  const float* decode_rows(const uint8_t* first, int64_t count, const float* scale, const float* minimum,
+                           float* tile) const {
+    constexpr int64_t C = D / W;
+    const int64_t width = D / groups;
+    for (int64_t j = 0; j < count; ++j) {
+      const uint8_t* raw = first + j * row_stride;
+      float* out = tile + j * D;
+      if constexpr (F == Format::fp32) {
+        std::memcpy(out, raw, D * 4);
+      } else if constexpr (F == Format::fp16 || F == Format::bf16) {
+        for (int64_t c = 0; c < C; ++c) store(out + W * c, sixteen_bits<F == Format::bf16>(raw, c));
+      } else if (F == Format::int4 && paired) {
+        const float* row_scale = scale + j * groups;
+        const float* row_minimum = minimum + j * groups;
+        for (int64_t c = 0; c < C; c += 2) {  // W bytes: channels [W c, W c + 2 W)
+          vb b;
+          std::memcpy(&b, raw + W / 2 * c, W);
+          const vi lanes = widen(b);
+          const int64_t g = group_of_vector[c];
+          store(out + W * c, __builtin_convertvector(lanes & 15, vf) * row_scale[g] + row_minimum[g]);
+          store(out + W * (c + 1), __builtin_convertvector(lanes >> 4, vf) * row_scale[g] + row_minimum[g]);
+        }
+      } else if (width % W == 0) {
+        const float* row_scale = scale + j * groups;
+        const float* row_minimum = minimum + j * groups;
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t g = group_of_vector[c];
+          store(out + W * c, codes<F>(raw, c) * row_scale[g] + row_minimum[g]);
+        }
+      } else {  // groups narrower than a vector
+        for (int64_t c = 0; c < C; ++c) store(out + W * c, codes<F>(raw, c));
+        for (int64_t d = 0; d < D; ++d) out[d] = out[d] * scale[j * groups + d / width] + minimum[j * groups + d / width];
+      }
+    }
+    return tile;
+  }
+};
+
+inline Rows plain_rows(const at::Tensor& t) {  // (H, L, D), or (1, H, L, D) (the appended buffers as a step holds them)
+  TORCH_CHECK((t.dim() == 3 || (t.dim() == 4 && t.size(0) == 1)) && t.stride(-1) == 1,
+              "rows must be (H, L, D) with contiguous D, got ", t.sizes(), " strides ", t.strides());
+  Rows rows;
+  rows.data = static_cast<const uint8_t*>(t.data_ptr());
+  rows.head_stride = t.stride(-3) * t.element_size();
+  rows.row_stride = t.stride(-2) * t.element_size();
+  if (t.scalar_type() == at::kFloat) {
+    rows.format = Format::fp32;
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                "plain rows must be float32, float16 or bfloat16, got ", t.scalar_type());
+    rows.format = t.scalar_type() == at::kBFloat16 ? Format::bf16 : Format::fp16;
+  }
+  return rows;
+}
+
+inline Rows stored_rows(const at::Tensor& data, const std::optional<at::Tensor>& scales,
+                 const std::optional<at::Tensor>& minimums, int64_t bits, int64_t dim) {
+  if (bits == 32 || bits == 16) {
+    Rows rows = plain_rows(data);
+    TORCH_CHECK((rows.format == Format::fp32) == (bits == 32), "bits=", bits, " but the rows are ", data.scalar_type());
+    TORCH_CHECK(data.size(2) == dim, "rows of ", data.size(2), " channels, the query has ", dim);
+    return rows;
+  }
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 3, "bits must be 32, 16, 8, 4 or 3, got ", bits);
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 3 && data.stride(2) == 1,
+              "codes must be (H, L, D * bits / 8) uint8 with contiguous rows");
+  TORCH_CHECK(data.size(2) * 8 == dim * bits, "codes of ", data.size(2), " bytes per row do not hold ", dim,
+              " channels of ", bits, " bits");
+  TORCH_CHECK(scales.has_value() && minimums.has_value(), "codes need their scales and minimums");
+  const at::Tensor& s = *scales;
+  const at::Tensor& m = *minimums;
+  TORCH_CHECK(s.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && s.dim() == 3 &&
+                  s.sizes() == m.sizes() && s.strides() == m.strides() && s.stride(2) == 1,
+              "scales and minimums must be (H, L, groups) float16 with the same layout");
+  TORCH_CHECK(s.size(0) == data.size(0) && s.size(1) == data.size(1), "scales of shape ", s.sizes(),
+              " for codes of shape ", data.sizes());
+  TORCH_CHECK(s.size(2) > 0 && dim % s.size(2) == 0, "groups must divide ", dim, " channels");
+  Rows rows;
+  rows.data = static_cast<const uint8_t*>(data.data_ptr());
+  rows.head_stride = data.stride(0);
+  rows.row_stride = data.stride(1);
+  rows.scales = static_cast<const uint16_t*>(s.data_ptr());
+  rows.minimums = static_cast<const uint16_t*>(m.data_ptr());
+  rows.scale_head_stride = s.stride(0);
+  rows.scale_row_stride = s.stride(1);
+  rows.groups = s.size(2);
+  rows.group_width = dim / rows.groups;
+  for (int64_t c = 0; c < dim / W; ++c) rows.group_of_vector[c] = W * c / rows.group_width;
+  rows.format = bits == 8 ? Format::int8 : bits == 4 ? Format::int4 : Format::int3;
+  rows.paired = bits == 4 && dim % (2 * W) == 0 && rows.group_width % (2 * W) == 0;
+  return rows;
+}
+
+// Where a pass's rows are read from, a vector (channels [W c, W c + W) of row j) at a time: a tile of fp32 rows
+// (stored so, or decoded into it first), or the stored rows decoded where they are used, with the arithmetic
+// of Rows::decode_rows (the same values, bit for bit), so that no decoded tile is stored and loaded again.
+template <int64_t D>
+struct Tile {
+  const float* rows;
+  vf operator()(int64_t j, int64_t c) const { return load(rows + j * D + W * c); }
+};
+
+template <Format F, bool PAIRED>
+struct Decoded {
+  const uint8_t* first;
+  int64_t row_stride, groups;
+  const float* scale;    // (count, groups), from Rows::convert_factors
+  const float* minimum;  // (count, groups)
+  const int64_t* group_of_vector;
+  inline __attribute__((always_inline)) vf operator()(int64_t j, int64_t c) const {
+    const uint8_t* raw = first + j * row_stride;
+    if constexpr (F == Format::fp16 || F == Format::bf16) {
+      return sixteen_bits<F == Format::bf16>(raw, c);
+    } else {
+      const int64_t g = group_of_vector[PAIRED ? c & ~int64_t{1} : c];
+      const float s = scale[j * groups + g], m = minimum[j * groups + g];
+      if constexpr (PAIRED) {  // vectors c and c + 1 (c even): the low and high nibbles of the same W bytes
+        vb b;
+        std::memcpy(&b, raw + W / 2 * (c & ~int64_t{1}), W);
+        const vi lanes = widen(b);
+        return __builtin_convertvector(c % 2 == 0 ? lanes & 15 : lanes >> 4, vf) * s + m;
+      } else {
+        return codes<F>(raw, c) * s + m;
+      }
+    }
+  }
+};
+
+// Rows [start, start + count) of `head` as a source for `body`: decoded where they are used where they can be
+// (Rows::decoded_in_registers), otherwise as a tile. The format is dispatched here, once per pass.
+template <int64_t D, class Body>
+inline void with_rows(const Rows& rows, int64_t head, int64_t start, int64_t count, float* tile, float* factors,
+                      Body&& body) {
+  if (!rows.decoded_in_registers()) return body(Tile<D>{rows.rows<D>(head, start, count, tile, factors)});
+  const uint8_t* first = rows.data + head * rows.head_stride + start * rows.row_stride;
+  if (rows.format != Format::fp16 && rows.format != Format::bf16) rows.convert_factors(head, start, count, factors);
+  const float* minimum = factors + count * rows.groups;
+  const auto decoded = [&]<Format F, bool PAIRED>() {
+    return Decoded<F, PAIRED>{first, rows.row_stride, rows.groups, factors, minimum, rows.group_of_vector};
+  };
+  switch (rows.format) {
+    case Format::fp16: return body(decoded.template operator()<Format::fp16, false>());
+    case Format::bf16: return body(decoded.template operator()<Format::bf16, false>());
+    case Format::int8: return body(decoded.template operator()<Format::int8, false>());
+    case Format::int4:
+      if (rows.paired) return body(decoded.template operator()<Format::int4, true>());
+      return body(decoded.template operator()<Format::int4, false>());
+    default: return body(decoded.template operator()<Format::int3, false>());
+  }
+}
+
+}  // namespace semanticache::cpu
