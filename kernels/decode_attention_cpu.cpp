@@ -36,7 +36,10 @@ namespace {
 using namespace semanticache::cpu;
 
 constexpr int64_t MAX_GROUP = 16;
-constexpr int64_t ENTRIES_PER_TASK = 512;  // at most, one (kv head, block) task: ~130 KiB of fp32 keys at D = 64
+// at most, one (kv head, block) task: 512 KiB of fp32 keys at D = 64. Tasks of 512 entries (4x as many, each
+// starting its streams of rows again) made the kernel slower from memory (one process alternating the two:
+// 8-bit rows 7-16% at 4K-7K tokens, 4-bit 4-15%, fp32 3-5%; the Kaizen 0.75 int4 step at 4K 3-9%)
+constexpr int64_t ENTRIES_PER_TASK = 2048;
 constexpr int64_t MIN_ENTRIES_PER_TASK = 64;  // at least, where the document is split for the threads
 
 // The running state of one task: per query head the maximum logit, the sum of exp and the output.
