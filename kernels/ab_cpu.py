@@ -17,6 +17,7 @@ timing, in ns per entry (the arithmetic alone).
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import statistics
 import subprocess
@@ -47,15 +48,18 @@ def with_headers(source: str, read: Callable[[str], str]) -> dict[str, str]:
     return files
 
 
-def build(tag: str, files: dict[str, str]) -> tuple[torch.library.Library, Callable[..., torch.Tensor]]:
-    """The attention kernel (``files``: from :func:`with_headers`) built with its namespace renamed to
-    ``tag``: the library object (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``."""
+def build(
+    tag: str, files: dict[str, str], schema: str = cpu_ops.SCHEMAS["decode_attention"][0]
+) -> tuple[torch.library.Library, Callable[..., torch.Tensor]]:
+    """The attention kernel (``files``: from :func:`with_headers`; ``schema``: its operator's, as that
+    version of ``cpu_ops.py`` defines it) built with its namespace renamed to ``tag``: the library object
+    (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``."""
     directory = home_dir() / "kernels" / "ab" / tag
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():  # side by side: the includes find the headers beside kernel.cpp
         (directory / name).write_text(text.replace("semanticache", tag))
     library = torch.library.Library(tag, "DEF")
-    library.define(cpu_ops.SCHEMAS["decode_attention"][0])
+    library.define(schema)
     cpp_extension.load(
         f"ab_{tag}",
         [str(directory / "kernel.cpp")],
@@ -66,23 +70,38 @@ def build(tag: str, files: dict[str, str]) -> tuple[torch.library.Library, Calla
     return library, getattr(torch.ops, tag).decode_attention
 
 
+def _show(revision: str, name: str) -> str:
+    """A file of the kernels' folder at a git revision of this checkout."""
+    root = SOURCE.resolve().parent.parent
+    path = f"{SOURCE.resolve().parent.relative_to(root).as_posix()}/{name}"
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), "show", f"{revision}:{path}"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"cannot read {path} at {revision!r} (is this a git checkout?): {exc}") from exc
+
+
 def base_files(revision: str) -> dict[str, str]:
     """The kernel's source and headers at a git revision of this checkout."""
-    root = SOURCE.resolve().parent.parent
-    folder = SOURCE.resolve().parent.relative_to(root).as_posix()
+    return with_headers(_show(revision, SOURCE.name), lambda name: _show(revision, name))
 
-    def show(name: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", "-C", str(root), "show", f"{revision}:{folder}/{name}"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.CalledProcessError) as exc:
-            raise SystemExit(f"cannot read {folder}/{name} at {revision!r} (is this a git checkout?): {exc}") from exc
 
-    return with_headers(show(SOURCE.name), show)
+def base_schema(revision: str) -> str:
+    """The operator's schema at a git revision (its arguments change with the kernel's)."""
+    return schema_of(_show(revision, "cpu_ops.py"))
+
+
+def schema_of(source: str) -> str:
+    """The ``decode_attention`` schema that a version of ``kernels/cpu_ops.py`` defines (in ``SCHEMAS``)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "decode_attention" and isinstance(value, ast.Tuple):
+                    first = value.elts[0]
+                    if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                        return first.value
+    raise SystemExit("no decode_attention schema in that version of kernels/cpu_ops.py")
 
 
 def work_files() -> dict[str, str]:
@@ -104,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-cache", action="store_true", help="ns per entry on one thread, in cache")
     args = parser.parse_args(argv)
-    builds = {"base": build("ab_base", base_files(args.base)), "work": build("ab_work", work_files())}
+    builds = {
+        "base": build("ab_base", base_files(args.base), base_schema(args.base)),
+        "work": build("ab_work", work_files()),
+    }
     if args.in_cache:
         torch.set_num_threads(1)
     unit = "ns/entry (1 thread, in cache)" if args.in_cache else f"ms a step ({torch.get_num_threads()} threads)"

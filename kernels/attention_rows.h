@@ -143,6 +143,35 @@ struct Rows {
     }
   }
 
+  // The same, group-major: out[g * ENTRIES_PER_PASS + j] the scales, out[(groups + g) * ENTRIES_PER_PASS + j] the
+  // minimums (the integer scores' layout: a vector holds W rows' factors of one group), through `scratch`.
+  void group_major_factors(int64_t head, int64_t start, int64_t count, float* scratch, float* out) const {
+    convert_factors(head, start, count, scratch);
+    const int64_t n = count * groups;
+    for (int64_t side = 0; side < 2; ++side) {
+      const float* from = scratch + side * n;
+      float* to = out + side * groups * ENTRIES_PER_PASS;
+      if (groups == 1) {
+        std::copy(from, from + count, to);
+        continue;
+      }
+#if defined(__AVX512F__)
+      if (groups == 2) {  // W = 16 rows' two groups are two vectors: their even and odd lanes
+        for (int64_t j = 0; j < count; j += W) {
+          const vf a = load(from + 2 * j), b = load(from + 2 * j + W);
+          store(to + j, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+          store(to + ENTRIES_PER_PASS + j,
+                __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+        }
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < count; ++j) {
+        for (int64_t g = 0; g < groups; ++g) to[g * ENTRIES_PER_PASS + j] = from[j * groups + g];
+      }
+    }
+  }
+
   // Whether the rows can be decoded a vector at a time where they are used (Decoded), rather than into a tile
   // first: 16-bit rows, and codes whose groups span whole vectors (AVX-512 only: with AVX2's 16 registers the
   // query heads' sums do not fit beside the query).

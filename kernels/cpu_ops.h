@@ -55,13 +55,14 @@ at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 // kernels/decode_attention_cpu.cpp: one token's attention (H_kv, G, D) over a document as stored and
-// the appended (H_kv, T, D)
+// the appended (H_kv, T, D); q8_query: coded keys are scored against the query rounded to Q8_0
+// (kernels/attention_q8.h)
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                             const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
                             const std::optional<at::Tensor>& value_scales,
                             const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
                             const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
-                            const at::Tensor& new_values);
+                            const at::Tensor& new_values, bool q8_query);
 
 // kernels/decode_attention_cpu.cpp: decode_attention in parts, for a caller that runs its own threads.
 // Made for a document (its arguments checked) and `threads` threads as decode_attention counts them (the
@@ -74,7 +75,7 @@ class AttentionTasks {
   AttentionTasks(int64_t group, int64_t dim, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                  const std::optional<at::Tensor>& key_minimums, int64_t key_bits, const at::Tensor& values,
                  const std::optional<at::Tensor>& value_scales, const std::optional<at::Tensor>& value_minimums,
-                 int64_t value_bits, const std::optional<at::Tensor>& bias, int64_t threads);
+                 int64_t value_bits, const std::optional<at::Tensor>& bias, int64_t threads, bool q8_query);
   AttentionTasks(AttentionTasks&&) noexcept;
   ~AttentionTasks();
   void bind(const at::Tensor& new_keys, const at::Tensor& new_values, int64_t appended);  // every task to run again

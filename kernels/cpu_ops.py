@@ -65,7 +65,7 @@ SCHEMAS = {
     "decode_attention": (
         "decode_attention(Tensor query, Tensor keys, Tensor? key_scales, Tensor? key_minimums, int key_bits, "
         "Tensor values, Tensor? value_scales, Tensor? value_minimums, int value_bits, Tensor? bias, "
-        "Tensor new_keys, Tensor new_values) -> Tensor",
+        "Tensor new_keys, Tensor new_values, bool q8_query=False) -> Tensor",
         decode_attention_ref.decode_attention,
     ),
     "unpack_q4_1": (

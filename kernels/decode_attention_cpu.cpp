@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention_q8.h"
 #include "attention_rows.h"
 #include "attention_sums.h"
 #include "cpu_ops.h"
@@ -56,9 +57,10 @@ struct Partial {
 // otherwise (fp32 rows, AVX2) a tile of rows is read (or decoded first) and scored one query head at a
 // time. Storing a decoded tile and loading it again for each head made 8-bit rows ~1.4x slower (4K tokens,
 // 30 layers: 6.1 -> 4.4 ms); fp32 rows keep the tile loop, which the decoded one slowed by ~10%.
+// Q8: coded keys meet the query rounded to Q8_0 (attention_q8.h), in integers where they can.
 template <int64_t D, bool DECODED>
 void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
-                 int64_t head, int64_t begin, int64_t end, Partial partial) {
+                 int64_t head, int64_t begin, int64_t end, Partial partial, bool q8) {
   constexpr int64_t C = D / W, SLICES = ENTRIES_PER_PASS / W;
   alignas(64) float scores[MAX_GROUP][ENTRIES_PER_PASS];
   alignas(64) float tile[ENTRIES_PER_PASS * D];
@@ -69,6 +71,12 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     pair_channels<D>(paired_query, group, false);
     query = paired_query;
   }
+  RoundedQuery<D> rounded;
+  const bool integer = q8 && keys.scales != nullptr && integer_scored(keys, D);
+  if (q8 && keys.scales != nullptr) {
+    rounded.round(query, group, keys.group_width);
+    query = rounded.rounded;
+  }
   if (values.paired) pair_channels<D>(partial.out, group, false);  // summed in the values' order, put back below
   vf q[MAX_GROUP][C];
   for (int64_t g = 0; g < group; ++g)
@@ -78,7 +86,12 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     keys.prefetch_ahead(head, start, begin, end);
     values.prefetch_ahead(head, start, begin, end);
     // -- scores of the pass, W rows at a time (padding lanes -inf)
-    if constexpr (DECODED) {  // KEY_GROUP_BLOCK query heads at a time
+    if (integer) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      integer_pass_scores<D>(rounded, group, keys, head, start, count, bias == nullptr ? nullptr : bias + start, tile,
+                             factors, scores);
+#endif
+    } else if constexpr (DECODED) {  // KEY_GROUP_BLOCK query heads at a time
       with_rows<D>(keys, head, start, count, tile, factors, [&](auto key) {
         constexpr int64_t GB = KEY_GROUP_BLOCK;
         for (int64_t g = 0; g < group; g += GB) {
@@ -168,21 +181,21 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
 
 template <bool DECODED>
 void attend_dim(int64_t dim, const float* query, int64_t group, const Rows& keys, const Rows& values,
-                const float* bias, int64_t head, int64_t begin, int64_t end, Partial partial) {
+                const float* bias, int64_t head, int64_t begin, int64_t end, Partial partial, bool q8) {
   switch (dim) {
-    case 16: return attend_rows<16, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
-    case 32: return attend_rows<32, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
-    case 64: return attend_rows<64, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
-    case 128: return attend_rows<128, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
-    default: return attend_rows<256, DECODED>(query, group, keys, values, bias, head, begin, end, partial);
+    case 16: return attend_rows<16, DECODED>(query, group, keys, values, bias, head, begin, end, partial, q8);
+    case 32: return attend_rows<32, DECODED>(query, group, keys, values, bias, head, begin, end, partial, q8);
+    case 64: return attend_rows<64, DECODED>(query, group, keys, values, bias, head, begin, end, partial, q8);
+    case 128: return attend_rows<128, DECODED>(query, group, keys, values, bias, head, begin, end, partial, q8);
+    default: return attend_rows<256, DECODED>(query, group, keys, values, bias, head, begin, end, partial, q8);
   }
 }
 
 void attend(int64_t dim, const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
-            int64_t head, int64_t begin, int64_t end, Partial partial) {
+            int64_t head, int64_t begin, int64_t end, Partial partial, bool q8) {
   if (keys.decoded_in_registers() || values.decoded_in_registers())
-    return attend_dim<true>(dim, query, group, keys, values, bias, head, begin, end, partial);
-  return attend_dim<false>(dim, query, group, keys, values, bias, head, begin, end, partial);
+    return attend_dim<true>(dim, query, group, keys, values, bias, head, begin, end, partial, q8);
+  return attend_dim<false>(dim, query, group, keys, values, bias, head, begin, end, partial, q8);
 }
 
 }  // namespace
@@ -194,6 +207,7 @@ struct semanticache::AttentionTasks::Plan {
   const float* bias = nullptr;
   int64_t bias_stride = 0, heads = 0, group = 0, dim = 0, length = 0, appended = 0;
   int64_t entries = 0, doc_blocks = 0, blocks = 0, count = 0, width = 0;
+  bool q8 = false;  // coded document keys meet the query rounded to Q8_0
   std::vector<float> state;
   std::atomic<int64_t> next{0};
 };
@@ -203,7 +217,7 @@ semanticache::AttentionTasks::AttentionTasks(int64_t group, int64_t dim, const a
                                              const std::optional<at::Tensor>& key_minimums, int64_t key_bits,
                                              const at::Tensor& values, const std::optional<at::Tensor>& value_scales,
                                              const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
-                                             const std::optional<at::Tensor>& bias, int64_t threads)
+                                             const std::optional<at::Tensor>& bias, int64_t threads, bool q8)
     : plan(std::make_unique<Plan>()) {
   TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256,
               "head dim must be 16, 32, 64, 128 or 256, got ", dim);
@@ -232,7 +246,7 @@ semanticache::AttentionTasks::AttentionTasks(int64_t group, int64_t dim, const a
   p.blocks = p.doc_blocks + 1;
   p.count = heads * p.blocks;
   p.width = group * (dim + 2);
-  p.heads = heads, p.group = group, p.dim = dim, p.length = length;
+  p.heads = heads, p.group = group, p.dim = dim, p.length = length, p.q8 = q8;
   p.state.resize(p.count * p.width);
 }
 
@@ -269,9 +283,9 @@ void semanticache::AttentionTasks::run(int64_t order, const float* query) {
   if (block < p.doc_blocks) {
     const int64_t begin = block * p.entries, end = std::min(p.length, begin + p.entries);
     const float* head_bias = p.bias == nullptr ? nullptr : p.bias + head * p.bias_stride;
-    attend(p.dim, head_query, p.group, p.doc_keys, p.doc_values, head_bias, head, begin, end, partial);
+    attend(p.dim, head_query, p.group, p.doc_keys, p.doc_values, head_bias, head, begin, end, partial, p.q8);
   } else {
-    attend(p.dim, head_query, p.group, p.tail_keys, p.tail_values, nullptr, head, 0, p.appended, partial);
+    attend(p.dim, head_query, p.group, p.tail_keys, p.tail_values, nullptr, head, 0, p.appended, partial, false);
   }
 }
 
@@ -304,7 +318,7 @@ at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Ten
                             const std::optional<at::Tensor>& value_scales,
                             const std::optional<at::Tensor>& value_minimums, int64_t value_bits,
                             const std::optional<at::Tensor>& bias, const at::Tensor& new_keys,
-                            const at::Tensor& new_values) {
+                            const at::Tensor& new_values, bool q8_query) {
   TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 &&
                   query.is_contiguous(),
               "query must be a contiguous (H_kv, G, D) float32 CPU tensor, got ", query.sizes());
@@ -312,7 +326,7 @@ at::Tensor semanticache::decode_attention(const at::Tensor& query, const at::Ten
               query.size(0));
   const int64_t threads = at::get_num_threads();
   AttentionTasks attention(query.size(1), query.size(2), keys, key_scales, key_minimums, key_bits, values, value_scales,
-                           value_minimums, value_bits, bias, threads);
+                           value_minimums, value_bits, bias, threads, q8_query);
   attention.bind(new_keys, new_values, new_keys.size(1));
   const float* q = query.data_ptr<float>();
   at::parallel_for(0, std::min(threads, attention.tasks()), 1, [&](int64_t, int64_t) {

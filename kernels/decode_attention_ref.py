@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from semanticache_rag.dequantize import decode_groups_into
+from semanticache_rag.kernels.int4_weights_ref import quantize_rows
 
 #: ``bits`` of a stored side: 32 fp32 rows, 16 fp16/bf16 rows, 8/4/3 group codes.
 BITS = (32, 16, 8, 4, 3)
@@ -44,6 +45,7 @@ def decode_attention(
     bias: torch.Tensor | None,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
+    q8_query: bool = False,
 ) -> torch.Tensor:
     """Attention of one token's queries over document entries and appended tokens.
 
@@ -59,6 +61,9 @@ def decode_attention(
         ``log s`` per document entry, ``-inf`` for padding; ``None``: every entry is one token.
     new_keys, new_values : Tensor (H_kv, T, D) float32
         The appended tokens, the querying token's own last.
+    q8_query : bool
+        Coded document keys (8/4/3 bits) are scored against the query rounded to Q8_0 (:func:`rounded_query`),
+        as llama.cpp scores a quantised K cache; the appended tokens meet the query as it is.
 
     Returns
     -------
@@ -67,9 +72,18 @@ def decode_attention(
     dim = query.shape[-1]
     doc_keys = decoded(keys, key_scales, key_minimums, key_bits, dim)
     doc_values = decoded(values, value_scales, value_minimums, value_bits, dim)
-    doc_scores = torch.bmm(query, doc_keys.transpose(1, 2))
+    doc_query = rounded_query(query) if q8_query and key_bits <= 8 else query
+    doc_scores = torch.bmm(doc_query, doc_keys.transpose(1, 2))
     if bias is not None:
         doc_scores += bias[:, None]
     probs = torch.softmax(torch.cat([doc_scores, torch.bmm(query, new_keys.transpose(1, 2))], dim=-1), dim=-1)
     length = doc_scores.shape[-1]
     return torch.baddbmm(torch.bmm(probs[..., length:], new_values), probs[..., :length], doc_values)
+
+
+def rounded_query(query: torch.Tensor) -> torch.Tensor:
+    """``query`` (..., D) rounded to Q8_0 as llama.cpp rounds a layer's input (:func:`quantize_rows`: blocks of 32
+    channels, the whole head where D < 32): code * scale."""
+    dim = query.shape[-1]
+    codes, scales = quantize_rows(query.reshape(-1, dim), min(dim, 32))
+    return (codes.float() * scales[..., None]).reshape(query.shape)

@@ -78,25 +78,26 @@ struct StepDocument : torch::CustomClassHolder {
   // Each layer's attention for query groups of `group` heads of `dim` channels on `threads` threads, made
   // at the conversation's first step and kept: the document's tensors are read and checked once, not at
   // every step (where their metadata is cold: the step's weights have just streamed through the caches).
-  std::vector<semanticache::AttentionTasks>& attention_tasks(int64_t group, int64_t dim, int64_t threads) {
+  // q8: coded keys meet the query rounded to Q8_0 (where the products quantise their rows so too).
+  std::vector<semanticache::AttentionTasks>& attention_tasks(int64_t group, int64_t dim, int64_t threads, bool q8) {
     if (attention.empty() || group != attention_shape[0] || dim != attention_shape[1] ||
-        threads != attention_shape[2]) {
+        threads != attention_shape[2] || int64_t{q8} != attention_shape[3]) {
       std::vector<semanticache::AttentionTasks> made;
       made.reserve(layers());
       for (int64_t l = 0; l < layers(); ++l) {
         const at::Tensor* doc = tensors.data() + l * DOCUMENT_PER_LAYER;
         made.emplace_back(group, dim, doc[0], present(doc[1]), present(doc[2]), bits[2 * l], doc[3], present(doc[4]),
-                          present(doc[5]), bits[2 * l + 1], present(doc[6]), threads);
+                          present(doc[5]), bits[2 * l + 1], present(doc[6]), threads, q8);
       }
       attention = std::move(made);
-      attention_shape = {group, dim, threads};
+      attention_shape = {group, dim, threads, int64_t{q8}};
     }
     return attention;
   }
 
  private:
   std::vector<semanticache::AttentionTasks> attention;
-  std::vector<int64_t> attention_shape = {0, 0, 0};
+  std::vector<int64_t> attention_shape = {0, 0, 0, 0};
 };
 
 struct Int4Layers : torch::CustomClassHolder {
@@ -104,7 +105,9 @@ struct Int4Layers : torch::CustomClassHolder {
   std::vector<double> eps;          // per layer: the two norms' epsilons
   int64_t heads, kv_heads, dim;
   double scaling;
-  bool fp32_rows;  // products in fp32 arithmetic (q4_1_product_fp32), not with rows quantised to Q8_0
+  // products in fp32 arithmetic (q4_1_product_fp32), not with rows quantised to Q8_0 (and coded keys scored
+  // against the query quantised so: decode_attention's q8_query)
+  bool fp32_rows;
 
   Int4Layers(std::vector<at::Tensor> weights_, std::vector<double> eps_, int64_t heads_, int64_t kv_heads_,
              int64_t dim_, double scaling_, bool fp32_rows_)
@@ -225,7 +228,7 @@ struct Int4Layers : torch::CustomClassHolder {
     TORCH_CHECK(x_in.size(1) == hidden, "x must hold ", hidden, " values, got ", x_in.size(1));
     at::Tensor x = x_in.contiguous().clone();
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    std::vector<semanticache::AttentionTasks>& attention = document->attention_tasks(heads / kv_heads, dim, threads);
+    std::vector<semanticache::AttentionTasks>& attention = document->attention_tasks(heads / kv_heads, dim, threads, !fp32_rows);
     std::vector<NewRows> rows;
     rows.reserve(count);
     for (int64_t l = 0; l < count; ++l) {

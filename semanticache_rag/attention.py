@@ -63,8 +63,9 @@ def _kernel_step(index: int, state, query, key, value, scaling) -> torch.Tensor 
     scale = dim**-0.5 if scaling is None else scaling
     grouped = (query[0, :, 0] * scale).view(kv_heads, heads // kv_heads, dim)
     out = scripted_step.kernel_attention(
-        grouped, keys[index], key_kinds[index], values[index], value_kinds[index], biases[index], key[0], value[0]
-    )
+        grouped, keys[index], key_kinds[index], values[index], value_kinds[index], biases[index], key[0], value[0],
+        False,  # q8_query: the model's own weights, the query as it is
+    )  # fmt: skip
     return out.view(1, 1, heads, dim)
 
 

@@ -259,7 +259,8 @@ def _add_common(
         default=weights,
         help="matrices as loaded (model), or fp16, bf16, int8 or int4 weight-only ones: 2-4x faster decoding on "
         "CPUs, slightly different answers (fp16: the fastest on CPUs without AVX-512, answers closest to fp32; "
-        "int4 keeps the default model's GGUF codes; int4-exact: the same codes in fp32 arithmetic, the fp32 "
+        "int4 keeps the default model's GGUF codes and llama.cpp's arithmetic; int4-exact: the same codes in "
+        "fp32 arithmetic, the fp32 "
         f"model's answers) (default: {weights})",
     )
     p.add_argument(

@@ -258,7 +258,7 @@ class FusedLlama:
             ):  # the scripted step's kernel call, as it makes it
                 out = scripted_step.kernel_attention(
                     query, inputs[0][index], inputs[1][index], inputs[2][index], inputs[3][index], inputs[4][index],
-                    keys[0], values[0],
+                    keys[0], values[0], scripted_step.rounds_query(layer),
                 )  # fmt: skip
             elif document is not None:  # coded layers are attended as stored (semanticache_rag.coded_attention)
                 scores = torch.bmm(query, keys[0].transpose(1, 2))

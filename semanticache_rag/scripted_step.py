@@ -69,15 +69,27 @@ def kernel_attention(
     bias: torch.Tensor | None,
     appended_keys: torch.Tensor,
     appended_values: torch.Tensor,
+    q8_query: bool,
 ) -> torch.Tensor:
     """One token's attention (H_kv, G, D) over a document layer as stored and the appended (H_kv, T, D),
-    by the operator ``semanticache::decode_attention`` (:mod:`semanticache_rag.kernels.cpu_ops`)."""
+    by the operator ``semanticache::decode_attention`` (:mod:`semanticache_rag.kernels.cpu_ops`); ``q8_query``:
+    coded keys scored against the query rounded to Q8_0 (:func:`rounds_query`)."""
     key, key_scales, key_minimums, key_bits = kernel_arguments(key_kind, keys)
     value, value_scales, value_minimums, value_bits = kernel_arguments(value_kind, values)
     return torch.ops.semanticache.decode_attention(
         query, key, key_scales, key_minimums, key_bits, value, value_scales, value_minimums, value_bits,
-        bias, appended_keys, appended_values,
+        bias, appended_keys, appended_values, q8_query,
     )  # fmt: skip
+
+
+def rounds_query(layer: Any) -> bool:
+    """Whether the kernel scores ``layer``'s coded document keys against its query rounded to Q8_0
+    (``kernels/attention_q8.h``): where its products quantise their rows so (``weights="int4"``, llama.cpp's
+    arithmetic, which scores a quantised K cache so too)."""
+    from semanticache_rag.weights import Int4Linear
+
+    qkv = layer.self_attn.qkv_proj
+    return isinstance(qkv, Int4Linear) and not qkv.fp32_rows
 
 
 class ScriptedLayer(nn.Module):
@@ -86,6 +98,7 @@ class ScriptedLayer(nn.Module):
     def __init__(self, layer: Any, heads: int, kv_heads: int, dim: int, kernel: bool):
         super().__init__()
         self.kernel = kernel  # attend through the C++ kernel (kernels/cpu_ops.py), low-rank layers excepted
+        self.q8_query = rounds_query(layer)
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv, self.o = attention.qkv_proj, attention.o_proj
         self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj
@@ -126,7 +139,7 @@ class ScriptedLayer(nn.Module):
         if self.kernel and key_kind != "low_rank" and value_kind != "low_rank":
             out = kernel_attention(
                 query, keys, key_kind, values, value_kind, bias,
-                appended_keys[0, :, : length + 1], appended_values[0, :, : length + 1],
+                appended_keys[0, :, : length + 1], appended_values[0, :, : length + 1], self.q8_query,
             )  # fmt: skip
             return self._rest(x, out)
         scores = torch.bmm(query, appended_keys[0, :, : length + 1].transpose(1, 2))

@@ -27,7 +27,9 @@ attention stay in the model's dtype, only the weight products change:
     tied to the input embedding becomes int8 in groups of 32 with a scale each, GGUF's Q8_0 (the
     default model's head ships so: :class:`GroupedInt8Linear` finds the file's codes exactly), for
     decoding, while reading's surprisal multiplies by the embedding table; an untied head stays bf16
-    (as int8 per row it tripled the KL to the fp32 model's next-token distributions).
+    (as int8 per row it tripled the KL to the fp32 model's next-token distributions). Decoding with int4
+    also scores Kaizen's 8/4/3-bit keys against the query rounded to Q8_0, as llama.cpp scores a quantised
+    K cache (``kernels/attention_q8.h``; in integers where the CPU has AVX-512 VNNI).
 ``"int4-exact"``
     int4's layers (the same codes, scales and minimums) with the rows kept in fp32
     (:class:`ExactInt4Linear`), and a tied head whose weights are Q8_0 values exactly (the default

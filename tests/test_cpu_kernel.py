@@ -52,14 +52,16 @@ def inputs(heads, group, dim, length, appended, key_storage, value_storage, grou
     )
 
 
-def fp64_reference(args) -> torch.Tensor:
-    """The twin's arithmetic in fp64, on the decoded stored inputs."""
+def fp64_reference(args, doc_query: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin's arithmetic in fp64, on the decoded stored inputs (``doc_query``: the query the document's
+    keys meet, if not the query itself)."""
     query, key, key_scales, key_minimums, key_bits = args[:5]
-    value, value_scales, value_minimums, value_bits, bias, new_keys, new_values = args[5:]
+    value, value_scales, value_minimums, value_bits, bias, new_keys, new_values = args[5:12]
     dim = query.shape[-1]
+    doc_query = query if doc_query is None else doc_query
     doc_keys = decode_attention_ref.decoded(key, key_scales, key_minimums, key_bits, dim).double()
     doc_values = decode_attention_ref.decoded(value, value_scales, value_minimums, value_bits, dim).double()
-    scores = torch.cat([query.double() @ doc_keys.transpose(1, 2) + bias.double()[:, None],
+    scores = torch.cat([doc_query.double() @ doc_keys.transpose(1, 2) + bias.double()[:, None],
                         query.double() @ new_keys.double().transpose(1, 2)], dim=-1)  # fmt: skip
     probs = scores.softmax(-1)
     return probs @ torch.cat([doc_values, new_values.double()], dim=1)
@@ -190,6 +192,41 @@ def test_the_benchmark_times_every_storage_it_is_given(kernel, tmp_path):
     assert text.count("\n| int4 | 64 |") == 1 and "| floor + arithmetic ms | overlap |" in text
 
 
+@pytest.mark.parametrize(
+    "key_storage,dim,group,group_size",
+    [  # integers where the CPU has VNNI: 8-bit or paired 4-bit keys, D a multiple of 64, groups of whole blocks
+        ("int8", 64, 3, 32), ("int4", 64, 3, 32), ("int8", 128, 4, 64), ("int4", 128, 1, 32), ("int8", 64, 5, 32),
+        # the rounded query in floats
+        ("int3", 64, 3, 32), ("int8", 32, 3, 32), ("int8", 64, 3, 16), ("int4", 16, 2, 16),
+    ],
+)  # fmt: skip
+def test_coded_keys_meet_the_query_rounded_to_q8_0(kernel, key_storage, dim, group, group_size):
+    """``q8_query`` (weights="int4", llama.cpp's arithmetic): coded document keys are scored against the
+    query rounded to Q8_0 (each channel within half its block's step of the query), in integers where the
+    CPU has VNNI and in floats otherwise, as close to fp64 arithmetic on the rounded query as the twin is; the
+    appended tokens meet the query as it is, and the result is not the exact one."""
+    args = inputs(3, group, dim, 300, 5, key_storage, "int8", group_size=group_size)
+    query = args[0]
+    rounded = decode_attention_ref.rounded_query(query)
+    blocks, rounded_blocks = query.unflatten(-1, (-1, min(dim, 32))), rounded.unflatten(-1, (-1, min(dim, 32)))
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    assert bool(((rounded_blocks - blocks).abs() <= step / 2 * (1 + 1e-5)).all()) and not torch.equal(rounded, query)
+    want = fp64_reference(args, doc_query=rounded)
+    twin = decode_attention_ref.decode_attention(*args, q8_query=True)
+    got = kernel(*args, True)
+    twin_error = float((twin.double() - want).abs().max())
+    error = float((got.double() - want).abs().max())
+    assert error <= 2 * twin_error + 1e-7, (error, twin_error)
+    assert float((got - kernel(*args)).abs().max()) > 1e-4  # the rounding shows
+
+
+def test_q8_query_leaves_16_bit_and_fp32_keys_alone(kernel):
+    """Only coded keys meet the rounded query: 16-bit and fp32 document keys give the exact result bit for bit."""
+    for storage in ("fp16", "fp32"):
+        args = inputs(3, 3, 64, 200, 5, storage, "int8")
+        assert torch.equal(kernel(*args, True), kernel(*args)), storage
+
+
 def test_the_ab_tool_builds_a_kernel_under_its_own_namespace(kernel):
     """``python -m semanticache_rag.kernels.ab_cpu``'s builds: the kernel's source under another operator
     namespace computes what the library's kernel computes, bit for bit, with the headers it includes (and
@@ -204,6 +241,8 @@ def test_the_ab_tool_builds_a_kernel_under_its_own_namespace(kernel):
     assert library.ns == "ab_test"
     if (ab_cpu.SOURCE.parent.parent / ".git").exists():
         assert "TORCH_LIBRARY_IMPL(semanticache, CPU" in ab_cpu.base_files("HEAD")["kernel.cpp"]
+        assert ab_cpu.base_schema("HEAD").startswith("decode_attention(Tensor query, ")
+    assert ab_cpu.schema_of((ab_cpu.SOURCE.parent / "cpu_ops.py").read_text()) == cpu_ops.SCHEMAS["decode_attention"][0]
     with pytest.raises(SystemExit, match="no-such-revision"):
         ab_cpu.base_files("no-such-revision")
 

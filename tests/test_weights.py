@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests_support import needs_default_model
 
-from semanticache_rag import Engine
+from semanticache_rag import Engine, scripted_step
 from semanticache_rag.errors import ConfigError
 from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 from semanticache_rag.store_key import model_identity
@@ -503,6 +503,8 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     model.config.tie_word_embeddings = True
     engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, weights)
     lean = engine.model.semanticache_forward
+    # int4 (llama.cpp's arithmetic) scores coded keys against the query rounded to Q8_0 in all three steps
+    assert {scripted_step.rounds_query(layer) for layer in engine.model.model.layers} == {weights == "int4"}
     compressions = [("none", None, ()), ("semanticache", 0.75, ()), ("kaizen", 0.6, ("int4",))]
     compressions += [("kaizen", 0.5, ("int8",)), ("kaizen", 0.4, ("fp16",)), ("kaizen", 0.3, ("share",))]
     for compression, ratio, options in compressions:
