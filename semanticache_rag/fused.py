@@ -261,6 +261,8 @@ class FusedLlama:
                     keys[0], values[0], scripted_step.rounds_query(layer),
                 )  # fmt: skip
             elif document is not None:  # coded layers are attended as stored (semanticache_rag.coded_attention)
+                # without the C++ kernel the keys meet the query as it is, int4 weights included (the kernel
+                # rounds it to Q8_0 there: scripted_step.rounds_query), so such answers differ beyond rounding
                 scores = torch.bmm(query, keys[0].transpose(1, 2))
                 doc_keys, doc_values = coded_attention.stored(document)
                 doc_scores = coded_attention.scores(doc_keys, query, kv.scratch)

@@ -142,6 +142,7 @@ class ScriptedLayer(nn.Module):
                 appended_keys[0, :, : length + 1], appended_values[0, :, : length + 1], self.q8_query,
             )  # fmt: skip
             return self._rest(x, out)
+        # without the kernel: exact key scores, int4 weights included (as the Python loop's fallback)
         scores = torch.bmm(query, appended_keys[0, :, : length + 1].transpose(1, 2))
         if key_kind == "low_rank":  # (q @ B^T) @ A^T, as semanticache_rag.coded_attention attends factors
             doc_scores = torch.bmm(torch.bmm(query, keys[1].float().transpose(1, 2)), keys[0].float().transpose(1, 2))
