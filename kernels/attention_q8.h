@@ -1,7 +1,7 @@
 // Coded keys scored against the query rounded to Q8_0, for the CPU attention kernel
 // (kernels/decode_attention_cpu.cpp, which alone includes this). With weights="int4" the step keeps llama.cpp's
 // arithmetic, and llama.cpp scores a quantised K cache so: the query in blocks of 32 channels, scale = largest
-// magnitude / 127, code = round(x / scale) (ties to even; the rows of quantise_rows in int4_weights_cpu.cpp).
+// magnitude / 127, code = round(x / scale) (ties to even; cpu_ops.h's quantise_block, as quantise_rows rounds).
 // The kernel then attends with the rounded query q^ = code * scale where the keys are coded; with AVX-512 VNNI,
 // 8-bit and paired 4-bit keys (D a multiple of 64, groups of whole blocks) are scored in integers instead:
 // vpdpbusd multiplies 64 key codes by 64 query codes a instruction, on 16 rows transposed so that each lane
@@ -14,12 +14,16 @@
 #include <cstdint>
 
 #include "attention_rows.h"
+#include "cpu_ops.h"
 #include "cpu_vectors.h"
 
 namespace semanticache::cpu {
 
 constexpr int64_t Q8_BLOCK = 32;        // channels a block of the rounded query (the whole head where D < 32)
 constexpr int64_t MAX_KEY_GROUPS = 8;   // key groups the integer scores take: D / 32 at D = 256
+// query heads scored together from one transpose of 16 rows: their 3 x D / 32 sums beside the 16 transposed
+// vectors in AVX-512's 32 registers (at D = 64)
+constexpr int64_t INTEGER_HEADS = 3;
 
 // The query heads (group of D channels each) rounded to Q8_0: `rounded` q^ (floats), and for the integer
 // scores their codes, each block's scale and, per key group of `width` channels, the sum of q^.
@@ -34,15 +38,9 @@ struct RoundedQuery {
   void round(const float* query, int64_t group, int64_t width) {
     for (int64_t h = 0; h < group; ++h) {
       for (int64_t b = 0; b < D / BLOCK; ++b) {
-        const float* x = query + h * D + b * BLOCK;
-        float largest = 0.0f;
-        for (int64_t k = 0; k < BLOCK; ++k) largest = std::max(largest, std::fabs(x[k]));
-        const float scale = largest / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
-        for (int64_t k = 0; k < BLOCK; ++k) {
-          const float code = std::nearbyint(x[k] / safe);
-          codes[h * D + b * BLOCK + k] = static_cast<int8_t>(code);
-          rounded[h * D + b * BLOCK + k] = code * scale;
-        }
+        const int64_t at = h * D + b * BLOCK;
+        const float scale = quantise_block(query + at, BLOCK, codes + at);
+        for (int64_t k = 0; k < BLOCK; ++k) rounded[at + k] = codes[at + k] * scale;
         block_scale[h][b] = scale;
       }
       for (int64_t g = 0; g < std::min<int64_t>(D / width, MAX_KEY_GROUPS); ++g) {
@@ -119,15 +117,15 @@ inline __attribute__((always_inline)) void transposed_codes(const uint8_t* first
 }
 
 // Scores of rows [0, n) of a pass (W = 16 of them from `first`; FULL: n == 16) for query heads [h, h + heads)
-// (heads <= 3), into out[b]: scale and minimum are the pass's key factors group-major (scale[g * stride + j]),
+// (heads <= INTEGER_HEADS), into out[b]: scale and minimum are the pass's key factors group-major (scale[g * stride + j]),
 // at the slice's first row.
 template <int64_t D, Format F, bool FULL>
 inline void integer_scores(const RoundedQuery<D>& query, int64_t h, int64_t heads, const uint8_t* first,
                            int64_t row_stride, int64_t n, int64_t groups, int64_t width, const float* scale,
                            const float* minimum, int64_t stride, const float* bias, vf* out) {
   constexpr int64_t CHUNKS = D / 64, BLOCKS = D / Q8_BLOCK;
-  __m512i acc[3][BLOCKS];
-  for (int64_t b = 0; b < 3; ++b)
+  __m512i acc[INTEGER_HEADS][BLOCKS];
+  for (int64_t b = 0; b < INTEGER_HEADS; ++b)
     for (int64_t k = 0; k < BLOCKS; ++k) acc[b][k] = _mm512_setzero_si512();
   for (int64_t c = 0; c < CHUNKS; ++c) {
     __m512i codes[16];
@@ -169,9 +167,9 @@ inline void integer_pass_scores(const RoundedQuery<D>& query, int64_t group, con
       const int64_t n = std::min<int64_t>(W, count - W * s);
       const uint8_t* rows = first + W * s * keys.row_stride;
       const float* row_bias = bias == nullptr ? nullptr : bias + W * s;
-      for (int64_t h = 0; h < group; h += 3) {
-        const int64_t heads = std::min<int64_t>(3, group - h);
-        vf sums[3];
+      for (int64_t h = 0; h < group; h += INTEGER_HEADS) {
+        const int64_t heads = std::min(INTEGER_HEADS, group - h);
+        vf sums[INTEGER_HEADS];
         if (n == W) {
           integer_scores<D, F, true>(query, h, heads, rows, keys.row_stride, n, keys.groups, keys.group_width,
                                      factors + W * s, minimum + W * s, ENTRIES_PER_PASS, row_bias, sums);

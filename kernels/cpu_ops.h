@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -34,6 +36,17 @@ struct Q4Weights {
   int64_t blocks, in_features;  // out = 16 * blocks
 };
 Q4Weights q4_1_weights(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& minimums);
+
+// One block of n values to Q8_0, as llama.cpp quantises a layer's input: scale = largest magnitude / 127
+// (returned), code = round(x / scale), ties to even (all 0 for a block of zeros). Shared by quantise_rows and
+// the attention kernel's rounded query (attention_q8.h); kernels/int4_weights_ref.quantize_rows is the twin.
+inline float quantise_block(const float* x, int64_t n, int8_t* codes) {
+  float largest = 0.0f;
+  for (int64_t k = 0; k < n; ++k) largest = std::max(largest, std::fabs(x[k]));
+  const float scale = largest / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
+  for (int64_t k = 0; k < n; ++k) codes[k] = static_cast<int8_t>(std::nearbyint(x[k] / safe));
+  return scale;
+}
 
 // Rows quantised to Q8_0, as q4_1_product takes them: codes (rows, in), and per row and group of 32 its
 // scale, the sum of its codes and the sum of the fp32 inputs.

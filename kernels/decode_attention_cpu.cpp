@@ -72,8 +72,9 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     query = paired_query;
   }
   RoundedQuery<D> rounded;
-  const bool integer = q8 && keys.scales != nullptr && integer_scored(keys, D);
-  if (q8 && keys.scales != nullptr) {
+  const bool rounds = q8 && keys.scales != nullptr;  // coded keys only
+  const bool integer = rounds && integer_scored(keys, D);
+  if (rounds) {
     rounded.round(query, group, keys.group_width);
     query = rounded.rounded;
   }

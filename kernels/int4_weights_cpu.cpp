@@ -64,16 +64,12 @@ void semanticache::quantise_rows(const float* x, int64_t rows, int64_t in_featur
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* row = x + r * in_features + g * GROUP;
-      float largest = 0.0f, sum = 0.0f;
-      for (int64_t k = 0; k < GROUP; ++k) {
-        largest = std::max(largest, std::fabs(row[k]));
-        sum += row[k];
-      }
-      const float scale = largest / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
-      int32_t code_sum = 0;
       int8_t* codes = q.codes.data() + r * in_features + g * GROUP;
+      const float scale = quantise_block(row, GROUP, codes);
+      float sum = 0.0f;
+      int32_t code_sum = 0;
       for (int64_t k = 0; k < GROUP; ++k) {
-        codes[k] = static_cast<int8_t>(std::nearbyint(row[k] / safe));
+        sum += row[k];
         code_sum += codes[k];
       }
       q.scales[r * groups + g] = scale;
