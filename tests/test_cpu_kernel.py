@@ -243,6 +243,8 @@ def test_the_ab_tool_builds_a_kernel_under_its_own_namespace(kernel):
         assert "TORCH_LIBRARY_IMPL(semanticache, CPU" in ab_cpu.base_files("HEAD")["kernel.cpp"]
         assert ab_cpu.base_schema("HEAD").startswith("decode_attention(Tensor query, ")
     assert ab_cpu.schema_of((ab_cpu.SOURCE.parent / "cpu_ops.py").read_text()) == cpu_ops.SCHEMAS["decode_attention"][0]
+    with pytest.raises(SystemExit, match="no decode_attention schema"):
+        ab_cpu.schema_of("SCHEMAS = {}")
     with pytest.raises(SystemExit, match="no-such-revision"):
         ab_cpu.base_files("no-such-revision")
 
