@@ -1,7 +1,7 @@
 """Time two versions of the CPU attention kernel in one process, alternating, at the default model's shapes.
 
     python -m semanticache_rag.kernels.ab_cpu [--base HEAD] [--tokens 4000] [--storage fp32 int8 int4]
-        [--rounds 6] [--in-cache]
+        [--rounds 6] [--in-cache] [--q8]
 
 On a shared machine the memory bandwidth moves by tens of percent between runs (and between processes
 a minute apart), so two builds timed in turn are compared in one process: ``--base`` (a git revision's
@@ -11,7 +11,8 @@ under an operator namespace of their own (``ab_base``, ``ab_work``), and each ro
 each: ``--layers`` document layers of ``--tokens`` entries (as :mod:`.bench_cpu` builds them), the
 median of 5 calls. The table gives each build's median over the rounds and the largest difference
 between their outputs. ``--in-cache``: one layer of 1,000 entries on one thread, called 50 times a
-timing, in ns per entry (the arithmetic alone).
+timing, in ns per entry (the arithmetic alone). ``--q8``: both called with ``q8_query`` on (``weights="int4"``'s
+arithmetic; the base revision must have the argument).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", nargs="+", choices=STORAGES, default=["fp32", "int8", "int4"])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-cache", action="store_true", help="ns per entry on one thread, in cache")
+    parser.add_argument("--q8", action="store_true", help='q8_query on (weights="int4"\'s arithmetic), both builds')
     args = parser.parse_args(argv)
     builds = {
         "base": build("ab_base", base_files(args.base), base_schema(args.base)),
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 layers = [layer_inputs(3, 3, 64, args.tokens, storage, seed) for seed in range(args.layers)]
                 repeats, scale = 5, 1e3
+            if args.q8:
+                layers = [(*layer, True) for layer in layers]
             outputs = {name: [op(*a) for a in layers[:2]] for name, (_, op) in builds.items()}
             difference = max(float((x - y).abs().max()) for x, y in zip(outputs["base"], outputs["work"]))
             times: dict[str, list[float]] = {name: [] for name in builds}

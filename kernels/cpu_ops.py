@@ -47,9 +47,7 @@ SOURCES = tuple(
     )
 )
 # declarations the sources share, and the attention kernel's parts (part of the library's key)
-HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_ops.h", "cpu_vectors.h", "attention_rows.h", "attention_sums.h")
-)
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # -march=native: the library is built on, and for, the machine that runs it (its CPU is in the key).
 # No -ffast-math: the kernel's exp rounds with an add-and-subtract that reassociation would fold away,
 # and padding is masked with -inf; its sums are vectorised by hand.

@@ -227,6 +227,20 @@ def test_q8_query_leaves_16_bit_and_fp32_keys_alone(kernel):
         assert torch.equal(kernel(*args, True), kernel(*args)), storage
 
 
+def test_the_librarys_key_holds_every_header_the_sources_include():
+    """The compiled library is found again by a hash of its sources and headers: a header left out of
+    the key would let an edit to it load the stale library."""
+    import re
+
+    included = {
+        name
+        for source in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)
+        for name in re.findall(r'#include "([^"]+)"', source.read_text())
+    }
+    assert "attention_q8.h" in included
+    assert included <= {header.name for header in cpu_ops.HEADERS}
+
+
 def test_the_ab_tool_builds_a_kernel_under_its_own_namespace(kernel):
     """``python -m semanticache_rag.kernels.ab_cpu``'s builds: the kernel's source under another operator
     namespace computes what the library's kernel computes, bit for bit, with the headers it includes (and
