@@ -37,10 +37,12 @@ namespace {
 using namespace semanticache::cpu;
 
 constexpr int64_t MAX_GROUP = 16;
-// at most, one (kv head, block) task: 512 KiB of fp32 keys at D = 64. Tasks of 512 entries (4x as many, each
-// starting its streams of rows again) made the kernel slower from memory (one process alternating the two:
-// 8-bit rows 7-16% at 4K-7K tokens, 4-bit 4-15%, fp32 3-5%; the Kaizen 0.75 int4 step at 4K 3-9%)
-constexpr int64_t ENTRIES_PER_TASK = 2048;
+// at most, one (kv head, block) task: 1 MiB of fp32 keys at D = 64. Each task starts its streams of rows
+// again, and from memory fewer, longer tasks are faster: 512 entries against 2048 made 8-bit rows 7-16% slower
+// at 4K-7K tokens (4-bit 4-15%, fp32 3-5%; the Kaizen 0.75 int4 step at 4K 3-9%), and 4096 against 2048 (at 7K
+// tokens two blocks a head instead of four) made them faster: 8-bit 5.3%, 4-bit 6.4%, fp16 6.2% (30 layers,
+// q8 on, one process alternating the builds; at 4K, where both make two blocks a head, within 1.1%)
+constexpr int64_t ENTRIES_PER_TASK = 4096;
 constexpr int64_t MIN_ENTRIES_PER_TASK = 64;  // at least, where the document is split for the threads
 
 // The running state of one task: per query head the maximum logit, the sum of exp and the output.
