@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,14 +230,15 @@ def test_q8_query_leaves_16_bit_and_fp32_keys_alone(kernel):
 
 def test_the_librarys_key_holds_every_header_the_sources_include():
     """The compiled library is found again by a hash of its sources and headers: a header left out of
-    the key would let an edit to it load the stale library."""
-    import re
+    the key would let an edit to it load the stale library. The includes are followed as the A/B tool
+    follows them (ab_cpu.with_headers)."""
+    from semanticache_rag.kernels import ab_cpu
 
-    included = {
-        name
-        for source in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)
-        for name in re.findall(r'#include "([^"]+)"', source.read_text())
-    }
+    folder = Path(cpu_ops.__file__).parent
+    included: set[str] = set()
+    for source in cpu_ops.SOURCES:
+        included |= ab_cpu.with_headers(source.read_text(), lambda name: (folder / name).read_text()).keys()
+    included.discard("kernel.cpp")
     assert "attention_q8.h" in included
     assert included <= {header.name for header in cpu_ops.HEADERS}
 
