@@ -15,8 +15,16 @@
 namespace semanticache::cpu {
 
 constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax update (a multiple of 16)
-// how far ahead a pass asks for its rows: a pass of fp32 rows at D = 64 is 16 KiB, of 8-bit codes 4 KiB, and
-// one pass ahead was close (4K tokens, int4 step: full cache 3-4% faster, Kaizen 0.75 the same; arithmetic unchanged)
+// How far ahead of the row it reads a loop asks for coded rows (and the pass for their scales and minimums): a line
+// at a time as the rows are read, not a pass at a time in a burst. From memory the burst (32 KiB ahead) was no
+// faster than no prefetch at all; spread out so, the kernel at 7K tokens (30 layers, 2 threads, the builds
+// alternating in one process) read 8-bit rows 14-28% faster and 4-bit 7-8% (32 rows ahead the same, 128 worse for
+// 8-bit), and the Kaizen 0.75 int4 step took 14.26 -> 11.80 ms at 7K tokens, 7.99 -> 7.50 ms at 4K. 16-bit rows
+// were 2-12% slower so and keep the burst (prefetch_ahead), as do the rows read a tile at a time.
+constexpr int64_t PREFETCH_ROWS = 64;
+
+// how far ahead prefetch_ahead asks for a pass's rows: a pass of fp32 rows at D = 64 is 16 KiB, and one pass ahead
+// was close (4K tokens: full cache 3-4% faster)
 constexpr int64_t PREFETCH_BYTES = 32768;
 
 enum class Format { fp32, fp16, bf16, int8, int4, int3 };
@@ -118,6 +126,13 @@ struct Rows {
   // and factors[count * groups + j * groups + g] (converted W at a time where the tile's are contiguous).
   void convert_factors(int64_t head, int64_t start, int64_t count, float* factors) const {
     const int64_t offset = head * scale_head_stride + start * scale_row_stride, n = count * groups;
+    if (prefetched_by_row()) {  // the factors PREFETCH_ROWS rows on, a line (32) at a time
+      const int64_t ahead = offset + PREFETCH_ROWS * scale_row_stride;
+      for (int64_t at = 0; at < count * scale_row_stride; at += 32) {
+        __builtin_prefetch(scales + ahead + at);
+        __builtin_prefetch(minimums + ahead + at);
+      }
+    }
     float* scale = factors;
     float* minimum = factors + n;
     if (scale_row_stride == groups) {  // the tile's factors are contiguous
@@ -179,6 +194,10 @@ struct Rows {
     if (W != 16 || format == Format::fp32) return false;
     return format == Format::fp16 || format == Format::bf16 || group_width % W == 0;
   }
+
+  // Whether the kernel asks for these rows row by row as it reads them (coded rows decoded in registers, or scored
+  // in integers), rather than a pass at a time with prefetch_ahead.
+  bool prefetched_by_row() const { return scales != nullptr && decoded_in_registers(); }
 
   // At the pass of rows from `start` (a task's rows [begin, end)), ask for the rows ~PREFETCH_BYTES ahead of
   // it (whole passes, 1 to 16): at the first pass, every pass up to there; then the pass that far ahead.
@@ -316,11 +335,16 @@ struct Decoded {
   const float* scale;    // (count, groups), from Rows::convert_factors
   const float* minimum;  // (count, groups)
   const int64_t* group_of_vector;
+  int64_t ahead;  // bytes: PREFETCH_ROWS rows
   inline __attribute__((always_inline)) vf operator()(int64_t j, int64_t c) const {
     const uint8_t* raw = first + j * row_stride;
     if constexpr (F == Format::fp16 || F == Format::bf16) {
       return sixteen_bits<F == Format::bf16>(raw, c);
     } else {
+      // where vector c starts in a new line of the row, that line PREFETCH_ROWS rows on (c is a constant where
+      // unrolled)
+      constexpr int64_t B = F == Format::int8 ? W : F == Format::int4 ? W / 2 : 3 * W / 8;
+      if (c == 0 || B * c / 64 != (B * c - B) / 64) __builtin_prefetch(raw + ahead + B * c / 64 * 64);
       const int64_t g = group_of_vector[PAIRED ? c & ~int64_t{1} : c];
       const float s = scale[j * groups + g], m = minimum[j * groups + g];
       if constexpr (PAIRED) {  // vectors c and c + 1 (c even): the low and high nibbles of the same W bytes
@@ -345,7 +369,8 @@ inline void with_rows(const Rows& rows, int64_t head, int64_t start, int64_t cou
   if (rows.format != Format::fp16 && rows.format != Format::bf16) rows.convert_factors(head, start, count, factors);
   const float* minimum = factors + count * rows.groups;
   const auto decoded = [&]<Format F, bool PAIRED>() {
-    return Decoded<F, PAIRED>{first, rows.row_stride, rows.groups, factors, minimum, rows.group_of_vector};
+    return Decoded<F, PAIRED>{first, rows.row_stride, rows.groups,
+                              factors, minimum, rows.group_of_vector, PREFETCH_ROWS * rows.row_stride};
   };
   switch (rows.format) {
     case Format::fp16: return body(decoded.template operator()<Format::fp16, false>());
