@@ -18,9 +18,9 @@ constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax
 // How far ahead of the row it reads a loop asks for coded rows (and the pass for their scales and minimums): a line
 // at a time as the rows are read, not a pass at a time in a burst. From memory the burst (32 KiB ahead) was no
 // faster than no prefetch at all; spread out so, the kernel at 7K tokens (30 layers, 2 threads, the builds
-// alternating in one process) read 8-bit rows 14-28% faster and 4-bit 7-8% (32 rows ahead the same, 128 worse for
-// 8-bit), and the Kaizen 0.75 int4 step took 14.26 -> 11.80 ms at 7K tokens, 7.99 -> 7.50 ms at 4K. 16-bit rows
-// were 2-12% slower so and keep the burst (prefetch_ahead), as do the rows read a tile at a time.
+// alternating in one process) read 8-bit rows 14-28% faster and 4-bit 7-8% (32 rows ahead the same, 128 worse
+// for 8-bit), and the Kaizen 0.75 int4 step took 13.70 / 14.26 -> 12.15 / 11.80 ms at 7K tokens, 7.99 -> 7.50 ms
+// at 4K. 16-bit rows were 2-12% slower so and keep the burst (prefetch_ahead), as do rows read a tile at a time.
 constexpr int64_t PREFETCH_ROWS = 64;
 
 // how far ahead prefetch_ahead asks for a pass's rows: a pass of fp32 rows at D = 64 is 16 KiB, and one pass ahead
