@@ -102,9 +102,7 @@ inline __attribute__((always_inline)) void transposed_codes(const uint8_t* first
       continue;
     }
     const uint8_t* raw = first + r * row_stride;
-    // the line PREFETCH_ROWS rows on (a chunk is a line of 8-bit codes, half a line of 4-bit ones)
-    if (F == Format::int8 || c % 2 == 0)
-      __builtin_prefetch(raw + PREFETCH_ROWS * row_stride + (F == Format::int8 ? 64 : 32) * c);
+    prefetch_row_ahead<F == Format::int8 ? 64 : 32>(raw, row_stride, c);  // a chunk: 64 codes
     if constexpr (F == Format::int8) {
       out[r] = _mm512_loadu_si512(raw + 64 * c);
     } else {  // 32 bytes: [low nibbles of 0-15, of 16-31, high of 0-15, of 16-31] -> lanes 0, 2, 1, 3: paired

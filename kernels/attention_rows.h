@@ -23,6 +23,15 @@ constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax
 // at 4K. 16-bit rows were 2-12% slower so and keep the burst (prefetch_ahead), as do rows read a tile at a time.
 constexpr int64_t PREFETCH_ROWS = 64;
 
+// Where bytes [BYTES * index, BYTES * (index + 1)) of a row (read BYTES at a time, index a constant where unrolled)
+// start in a new line of the row: ask for that line of the row PREFETCH_ROWS rows after the one at `raw`.
+template <int64_t BYTES>
+inline __attribute__((always_inline)) void prefetch_row_ahead(const uint8_t* raw, int64_t row_stride, int64_t index) {
+  const int64_t offset = BYTES * index;
+  if (index == 0 || offset / 64 != (offset - BYTES) / 64)
+    __builtin_prefetch(raw + PREFETCH_ROWS * row_stride + offset / 64 * 64);
+}
+
 // how far ahead prefetch_ahead asks for a pass's rows: a pass of fp32 rows at D = 64 is 16 KiB, and one pass ahead
 // was close (4K tokens: full cache 3-4% faster)
 constexpr int64_t PREFETCH_BYTES = 32768;
@@ -335,16 +344,12 @@ struct Decoded {
   const float* scale;    // (count, groups), from Rows::convert_factors
   const float* minimum;  // (count, groups)
   const int64_t* group_of_vector;
-  int64_t ahead;  // bytes: PREFETCH_ROWS rows
   inline __attribute__((always_inline)) vf operator()(int64_t j, int64_t c) const {
     const uint8_t* raw = first + j * row_stride;
     if constexpr (F == Format::fp16 || F == Format::bf16) {
       return sixteen_bits<F == Format::bf16>(raw, c);
     } else {
-      // where vector c starts in a new line of the row, that line PREFETCH_ROWS rows on (c is a constant where
-      // unrolled)
-      constexpr int64_t B = F == Format::int8 ? W : F == Format::int4 ? W / 2 : 3 * W / 8;
-      if (c == 0 || B * c / 64 != (B * c - B) / 64) __builtin_prefetch(raw + ahead + B * c / 64 * 64);
+      prefetch_row_ahead<F == Format::int8 ? W : F == Format::int4 ? W / 2 : 3 * W / 8>(raw, row_stride, c);
       const int64_t g = group_of_vector[PAIRED ? c & ~int64_t{1} : c];
       const float s = scale[j * groups + g], m = minimum[j * groups + g];
       if constexpr (PAIRED) {  // vectors c and c + 1 (c even): the low and high nibbles of the same W bytes
@@ -369,8 +374,7 @@ inline void with_rows(const Rows& rows, int64_t head, int64_t start, int64_t cou
   if (rows.format != Format::fp16 && rows.format != Format::bf16) rows.convert_factors(head, start, count, factors);
   const float* minimum = factors + count * rows.groups;
   const auto decoded = [&]<Format F, bool PAIRED>() {
-    return Decoded<F, PAIRED>{first, rows.row_stride, rows.groups,
-                              factors, minimum, rows.group_of_vector, PREFETCH_ROWS * rows.row_stride};
+    return Decoded<F, PAIRED>{first, rows.row_stride, rows.groups, factors, minimum, rows.group_of_vector};
   };
   switch (rows.format) {
     case Format::fp16: return body(decoded.template operator()<Format::fp16, false>());

@@ -357,8 +357,9 @@ struct Int4Layers : torch::CustomClassHolder {
 
   // activated = SiLU(gate) * up for gate_up = [gate, up] (inner each): ATen's own SiLU kernel (the other
   // steps' rounding), called by each thread inside the step's region (it then runs on that thread alone).
-  static void silu_times_up(float* gate_up, float* activated, int64_t inner) {
-    const at::Tensor gate = at::from_blob(gate_up, {1, inner}, at::TensorOptions().dtype(at::kFloat));
+  static void silu_times_up(const float* gate_up, float* activated, int64_t inner) {  // gate_up is only read
+    const at::Tensor gate =
+        at::from_blob(const_cast<float*>(gate_up), {1, inner}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor out = at::from_blob(activated, {1, inner}, at::TensorOptions().dtype(at::kFloat));
     at::silu_out(out, gate);
     const float* up = gate_up + inner;
