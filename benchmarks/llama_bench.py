@@ -74,8 +74,8 @@ def ensure_llama_bench(root: Path | None = None) -> dict:
             "pip",
             "download",
             "--no-deps",
-            "--no-binary",
-            ":all:",
+            "--no-binary",  # this package's source; its build tools come as wheels (":all:" builds them
+            "llama-cpp-python",  # from source too, a chain of builds that takes longer than llama.cpp's own)
             "--disable-pip-version-check",
             f"llama-cpp-python=={VERSION}",
             "-d",

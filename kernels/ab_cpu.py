@@ -50,11 +50,15 @@ def with_headers(source: str, read: Callable[[str], str]) -> dict[str, str]:
 
 
 def build(
-    tag: str, files: dict[str, str], schema: str = cpu_ops.SCHEMAS["decode_attention"][0]
+    tag: str,
+    files: dict[str, str],
+    schema: str = cpu_ops.SCHEMAS["decode_attention"][0],
+    flags: tuple[str, ...] = cpu_ops.FLAGS,
 ) -> tuple[torch.library.Library, Callable[..., torch.Tensor]]:
     """The attention kernel (``files``: from :func:`with_headers`; ``schema``: its operator's, as that
     version of ``cpu_ops.py`` defines it) built with its namespace renamed to ``tag``: the library object
-    (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``."""
+    (keep it alive) and the operator ``torch.ops.<tag>.decode_attention``. ``flags``: the compiler's
+    (the library's by default; timings mean nothing under others)."""
     directory = home_dir() / "kernels" / "ab" / tag
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():  # side by side: the includes find the headers beside kernel.cpp
@@ -64,7 +68,7 @@ def build(
     cpp_extension.load(
         f"ab_{tag}",
         [str(directory / "kernel.cpp")],
-        extra_cflags=list(cpu_ops.FLAGS),
+        extra_cflags=list(flags),
         build_directory=str(directory),
         is_python_module=False,
     )
