@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from semanticache_rag.models import default_gguf
 from semanticache_rag.prompts import Turn
 
 RESULTS = Path(__file__).parent / "results" / "speed"
+BANDWIDTH_EVERY = 8  # decode steps between two measurements of the read bandwidth (untimed)
 QUESTION = "What is the special magic number for the blue harbor mentioned in the document?"
 CACHES = (
     ("full", "none", None),
@@ -93,8 +95,16 @@ def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
     return [{**r, "build_s": build["build_s"], "version": build["version"]} for r in rows]
 
 
-def decode(engine: Engine, cache, steps: int, forced: list[int] | None, question: str = QUESTION):
-    """Greedy (or ``forced``) decoding after ``question``: (token ids, log-probs per step, seconds per step)."""
+def decode(
+    engine: Engine,
+    cache,
+    steps: int,
+    forced: list[int] | None,
+    question: str = QUESTION,
+    between: Callable[[], object] | None = None,
+):
+    """Greedy (or ``forced``) decoding after ``question``: (token ids, log-probs per step, seconds per step).
+    ``between``: called, untimed, after every BANDWIDTH_EVERY steps."""
     tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
     kv = ConversationKV(cache.layers)
     logits = engine.forward(kv, tail, cache.positions)[-1]
@@ -106,22 +116,34 @@ def decode(engine: Engine, cache, steps: int, forced: list[int] | None, question
         started = time.perf_counter()
         logits = engine.forward(kv, [token], cache.positions + len(tail) + step)[-1]
         times.append(time.perf_counter() - started)
+        if between is not None and (step + 1) % BANDWIDTH_EVERY == 0:
+            between()
     return ids, torch.stack(logprobs), times
 
 
 def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
     rows, reference = [], {}
+    sample = torch.ones(128 * 1024 * 1024)  # the bandwidth's 512 MiB, allocated once
     for weights in formats:  # "model" first: its full cache is the reference of every KL
         engine = Engine.from_pretrained(weights=weights)
         step_weights = weight_bytes(engine.model)
         for tokens in lengths:
             prefill = engine.prefill(real_document(engine.tokenizer, tokens), progress=False, surprisal=True)
-            # measured again right before each format and length's decodes: on a shared machine it moved
-            # between 26.5 and 31.9 GB/s within one run, and one measurement at the start moves every floor
-            bandwidth = read_bandwidth()
             for name, compression, ratio in CACHES:
                 cache = engine.compress(prefill, make_compressor(compression, ratio))
-                ids, logprobs, times = decode(engine, cache, steps, reference.get(tokens, (None,))[0])
+                # Each cell's floor from the bandwidth measured among its own steps (before the first and
+                # after every BANDWIDTH_EVERY-th, the median): on a shared machine it moves between 27 and 53
+                # GB/s within a run, and one measurement per format and length put cells decoded a minute
+                # later against a bandwidth they did not have.
+                samples = [read_bandwidth(sample)]
+                ids, logprobs, times = decode(
+                    engine,
+                    cache,
+                    steps,
+                    reference.get(tokens, (None,))[0],
+                    between=lambda samples=samples: samples.append(read_bandwidth(sample)),
+                )
+                bandwidth = statistics.median(samples)
                 if weights == "model" and compression == "none":
                     reference[tokens] = (ids, logprobs)
                 want = reference[tokens][1]
@@ -140,6 +162,7 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
                     "step_mib": round(step_bytes / 2**20, 1),
                     "floor_ms": round(1000 * step_bytes / bandwidth, 1),
                     "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+                    "bandwidth_samples_gb_s": [round(b / 1e9, 1) for b in samples],
                     "kl_to_fp32_full": round(float(kl.mean()), 5),
                 }
                 rows.append(row)
@@ -310,10 +333,9 @@ def main() -> None:
     text = (
         "# Speed on CPUs\n\n"
         f"`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps} --weights "
-        f"{' '.join(args.weights)}`; measured read bandwidth {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s, right "
-        "before each format and length's decodes (floor = bytes a step reads / that measurement).\n\n"
-        + table(rows, args.lengths)
-        + f"\n\n{environment(started)}\n"
+        f"{' '.join(args.weights)}`; measured read bandwidth {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s (floor = "
+        f"bytes a step reads / the median of the bandwidth measured before a cell's first step and after every "
+        f"{BANDWIDTH_EVERY}th).\n\n" + table(rows, args.lengths) + f"\n\n{environment(started)}\n"
     )
     (results / "speed.md").write_text(text)
     print(text)

@@ -274,3 +274,17 @@ def test_kvpress_one_shared_prefill_answers_as_a_prefill_per_press(tiny_model_di
     assert all(r["kv_bytes"] < r["full_kv_bytes"] for r in shared if r["method"] != "kvpress:none")
     assert [r["kl"] for r in runs["shared"]] == pytest.approx([r["kl"] for r in runs["each"]], abs=1e-5)
     assert any(r["kl"] > 1e-3 for r in runs["shared"])  # the presses changed the answers' distributions
+
+
+def test_speed_decode_samples_the_bandwidth_between_steps_untimed(tiny_llama_engine, document_text):
+    """The speed table's floors use the bandwidth measured among a cell's own steps: ``between`` runs after every
+    BANDWIDTH_EVERY-th step, outside the step times, and leaves the decoded tokens as they are."""
+    from benchmarks.speed import BANDWIDTH_EVERY, decode
+
+    cache = tiny_llama_engine.read(document_text[:800], progress=False)
+    steps = 2 * BANDWIDTH_EVERY + 3
+    calls: list[int] = []
+    ids, logprobs, times = decode(tiny_llama_engine, cache, steps, None, between=lambda: calls.append(len(calls)))
+    plain_ids, _, _ = decode(tiny_llama_engine, cache, steps, None)
+    assert calls == [0, 1] and len(times) == steps == len(ids) == logprobs.shape[0]
+    assert ids == plain_ids
