@@ -198,6 +198,19 @@ at::Tensor unpack_q4_1(const at::Tensor& codes, const at::Tensor& scales, const 
 
 }  // namespace
 
+#if defined(__AVX512F__)
+// total + one row's terms of a group for 16 outputs: weight scale * row scale * the integer sums (dots) +
+// weight minimum * the sum of the row's inputs (the order of q4_1_blocks' sums, for every row count)
+inline __m512 q4_group_total(__m512i dots, const uint16_t* scale, const uint16_t* minimum, float row_scale,
+                             float row_sum, __m512 total) {
+  const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+  const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+  const __m512 t =
+      _mm512_fmadd_ps(_mm512_mul_ps(weight_scale, _mm512_set1_ps(row_scale)), _mm512_cvtepi32_ps(dots), total);
+  return _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t);
+}
+#endif
+
 semanticache::Q4Weights semanticache::q4_1_weights(const at::Tensor& codes, const at::Tensor& scales,
                                                    const at::Tensor& minimums) {
   check_q4_1(codes, scales, minimums);
@@ -226,13 +239,8 @@ void semanticache::q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;
         for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
-        const uint16_t* scale = s + (b * groups + g) * OUTPUTS;
-        const uint16_t* minimum = m + (b * groups + g) * OUTPUTS;
-        const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
-        const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
-        const __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(weight_scale, _mm512_set1_ps(q.scales[g])),
-                                         _mm512_cvtepi32_ps(q4_group_sums(octets, xq + g * GROUP)), total);
-        total = _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(q.sums[g]), t);
+        total = q4_group_total(q4_group_sums(octets, xq + g * GROUP), s + (b * groups + g) * OUTPUTS,
+                               m + (b * groups + g) * OUTPUTS, q.scales[g], q.sums[g], total);
       }
       _mm512_storeu_ps(o + b * OUTPUTS, total);
     }
@@ -255,11 +263,8 @@ void semanticache::q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64
         float* total = totals + r * OUTPUTS;
         const float row_scale = q.scales[r * groups + g], row_sum = q.sums[r * groups + g];
 #if defined(__AVX512F__)
-        const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
-        const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
-        __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(weight_scale, _mm512_set1_ps(row_scale)),
-                                   _mm512_cvtepi32_ps(_mm512_load_si512(dots)), _mm512_loadu_ps(total));
-        _mm512_storeu_ps(total, _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(row_sum), t));
+        _mm512_storeu_ps(total, q4_group_total(_mm512_load_si512(dots), scale, minimum, row_scale, row_sum,
+                                               _mm512_loadu_ps(total)));
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
         for (int64_t h = 0; h < 2; ++h) {  // AVX-512's arithmetic, outputs 8 h .. 8 h + 7
           const __m256 weight_scale = halves(scale + 8 * h), weight_minimum = halves(minimum + 8 * h);
