@@ -69,16 +69,27 @@ inline vf exp_nonpositive(vf x) {
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
+// The largest lane and the lanes' sum: with AVX-512 by halving (4 dependent steps, not a chain of 15). The integer
+// values' pass (attention_values_int.h) reduces 6 vectors for 3 query heads and 2 groups: in chains 1.4 ns a row,
+// halving 1.0 (in L1).
 inline float max_lane(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
   float top = v[0];
   for (int k = 1; k < W; ++k) top = std::max(top, v[k]);
   return top;
+#endif
 }
 
 inline float sum_lanes(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
   float total = 0.0f;
   for (int k = 0; k < W; ++k) total += v[k];
   return total;
+#endif
 }
 
 // The lane sums of W vectors, as one vector (lane r: the sum of a[r]), by halving shuffles: each level

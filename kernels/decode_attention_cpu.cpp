@@ -29,6 +29,7 @@
 #include "attention_q8.h"
 #include "attention_rows.h"
 #include "attention_sums.h"
+#include "attention_values_int.h"
 #include "cpu_ops.h"
 #include "cpu_vectors.h"
 
@@ -80,6 +81,8 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     rounded.round(query, group, keys.group_width);
     query = rounded.rounded;
   }
+  const bool weighs = q8 && integer_weighted(values, D);  // coded values in integers (attention_values_int.h)
+  IntegerValues<D> integer_values(values, weighs ? group : 0);
   if (values.paired) pair_channels<D>(partial.out, group, false);  // summed in the values' order, put back below
   vf q[MAX_GROUP][C];
   for (int64_t g = 0; g < group; ++g)
@@ -173,12 +176,15 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
         }
       }
     };
-    if constexpr (DECODED) {
+    if (weighs) {
+      integer_values.add_pass(head, start, count, scores, rescale, partial.out, tile, factors);
+    } else if constexpr (DECODED) {
       with_rows<D>(values, head, start, count, tile, factors, add_pass_values);
     } else {
       add_pass_values(Tile<D>{values.rows<D>(head, start, count, tile, factors)});
     }
   }
+  if (weighs) integer_values.finish(partial.out);
   if (values.paired) pair_channels<D>(partial.out, group, true);
 }
 

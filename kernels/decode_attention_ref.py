@@ -63,7 +63,10 @@ def decode_attention(
         The appended tokens, the querying token's own last.
     q8_query : bool
         Coded document keys (8/4/3 bits) are scored against the query rounded to Q8_0 (:func:`rounded_query`),
-        as llama.cpp scores a quantised K cache; the appended tokens meet the query as it is.
+        as llama.cpp scores a quantised K cache; the appended tokens meet the query as it is. The C++ kernel
+        also weighs 8-bit and paired 4-bit values in integers then (``kernels/attention_values_int.h``: each
+        weight * scale rounded to 15 bits against its pass's largest), which this twin does not: within 2^-10 of
+        the largest group's range of it, beyond rounding.
 
     Returns
     -------

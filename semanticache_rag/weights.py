@@ -29,7 +29,8 @@ attention stay in the model's dtype, only the weight products change:
     decoding, while reading's surprisal multiplies by the embedding table; an untied head stays bf16
     (as int8 per row it tripled the KL to the fp32 model's next-token distributions). Decoding with int4
     also scores Kaizen's 8/4/3-bit keys against the query rounded to Q8_0, as llama.cpp scores a quantised
-    K cache (``kernels/attention_q8.h``; in integers where the CPU has AVX-512 VNNI).
+    K cache (``kernels/attention_q8.h``; in integers where the CPU has AVX-512 VNNI), and weighs 8/4-bit values
+    in integers (``kernels/attention_values_int.h``: weight * scale in 15 bits; AVX-512 VNNI and VBMI).
 ``"int4-exact"``
     int4's layers (the same codes, scales and minimums) with the rows kept in fp32
     (:class:`ExactInt4Linear`), and a tied head whose weights are Q8_0 values exactly (the default

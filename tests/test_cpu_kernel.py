@@ -53,6 +53,15 @@ def inputs(heads, group, dim, length, appended, key_storage, value_storage, grou
     )
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux), the kernel being built with -march=native."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
 def fp64_reference(args, doc_query: torch.Tensor | None = None) -> torch.Tensor:
     """The twin's arithmetic in fp64, on the decoded stored inputs (``doc_query``: the query the document's
     keys meet, if not the query itself)."""
@@ -205,8 +214,9 @@ def test_coded_keys_meet_the_query_rounded_to_q8_0(kernel, key_storage, dim, gro
     """``q8_query`` (weights="int4", llama.cpp's arithmetic): coded document keys are scored against the
     query rounded to Q8_0 (each channel within half its block's step of the query), in integers where the
     CPU has VNNI and in floats otherwise, as close to fp64 arithmetic on the rounded query as the twin is; the
-    appended tokens meet the query as it is, and the result is not the exact one."""
-    args = inputs(3, group, dim, 300, 5, key_storage, "int8", group_size=group_size)
+    appended tokens meet the query as it is, and the result is not the exact one. (Values in 16 bits: coded ones
+    are weighted in integers under q8_query, tested below.)"""
+    args = inputs(3, group, dim, 300, 5, key_storage, "fp16", group_size=group_size)
     query = args[0]
     rounded = decode_attention_ref.rounded_query(query)
     blocks, rounded_blocks = query.unflatten(-1, (-1, min(dim, 32))), rounded.unflatten(-1, (-1, min(dim, 32)))
@@ -221,10 +231,41 @@ def test_coded_keys_meet_the_query_rounded_to_q8_0(kernel, key_storage, dim, gro
     assert float((got - kernel(*args)).abs().max()) > 1e-4  # the rounding shows
 
 
+@pytest.mark.parametrize(
+    "value_storage,dim,group,group_size,length",
+    [  # 8-bit or paired 4-bit codes, D a multiple of 64; groups of 1, 2 or 4 vectors; odd passes; 1-5 query heads
+        ("int8", 64, 3, 32, 301), ("int4", 64, 3, 32, 301), ("int8", 64, 5, 16, 300), ("int8", 128, 4, 64, 513),
+        ("int4", 128, 1, 128, 77), ("int4", 64, 2, 64, 4500),
+    ],
+)  # fmt: skip
+def test_q8_weighs_coded_values_in_integers(kernel, value_storage, dim, group, group_size, length):
+    """Under ``q8_query`` coded values are weighted in integers where the CPU has AVX-512 VNNI and VBMI
+    (``kernels/attention_values_int.h``): per pass, query head and group, weight * scale rounded to 15 bits against
+    the pass's largest. Each pass's error is at most its 64 rows * half a step (2^-16 of its largest weight * scale)
+    * the largest code, and the passes' largest weights sum to at most the total weight, so the result is within
+    2^-10 of the largest group's range (scale * largest code) of the fp64 attention, beyond the twin's rounding."""
+    args = inputs(3, group, dim, length, 5, "fp16", value_storage, group_size=group_size)
+    want = fp64_reference(args)
+    twin_error = float((decode_attention_ref.decode_attention(*args).double() - want).abs().max())
+    got = kernel(*args, True)
+    bits = int(value_storage[3:])
+    value_range = float(args[6].float().max()) * (2**bits - 1)
+    error = float((got.double() - want).abs().max())
+    assert error <= 2**-10 * value_range + 2 * twin_error + 1e-7, (error, value_range, twin_error)
+    # The roundings of independent weights mostly cancel: 2^-16 to 2^-19 of the range on these inputs (the bound
+    # above is the worst case).
+    assert error <= 2**-14 * value_range, (error, value_range)
+    if {"avx512_vnni", "avx512vbmi"} <= _cpu_flags():
+        assert not torch.equal(got, kernel(*args))  # the integer path, not the float one (16-bit keys: no rounding)
+    else:
+        assert torch.equal(got, kernel(*args))
+
+
 def test_q8_query_leaves_16_bit_and_fp32_keys_alone(kernel):
-    """Only coded keys meet the rounded query: 16-bit and fp32 document keys give the exact result bit for bit."""
+    """Only coded keys meet the rounded query: 16-bit and fp32 document keys give the exact result bit for bit
+    (16-bit values: coded ones are weighted in integers, above)."""
     for storage in ("fp16", "fp32"):
-        args = inputs(3, 3, 64, 200, 5, storage, "int8")
+        args = inputs(3, 3, 64, 200, 5, storage, "fp16")
         assert torch.equal(kernel(*args, True), kernel(*args)), storage
 
 
