@@ -177,6 +177,16 @@ struct Rows {
     }
   }
 
+#if defined(__AVX512F__)
+  // W rows' factors of two groups, interleaved in a then b (row-major), to[0, W) group 0's, to[ENTRIES_PER_PASS + 0,
+  // ENTRIES_PER_PASS + W) group 1's: the even and the odd lanes.
+  static void split_two_groups(vf a, vf b, float* to) {
+    store(to, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+    store(to + ENTRIES_PER_PASS,
+          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+  }
+#endif
+
   // The same, group-major: out[g * ENTRIES_PER_PASS + j] the scales, out[(groups + g) * ENTRIES_PER_PASS + j] the
   // minimums (the integer scores' and values' layout: a vector holds W rows' factors of one group), through
   // `scratch`. Two groups a row (D = 64 in groups of 32) and whole vectors of rows: converted and split into
@@ -194,10 +204,7 @@ struct Rows {
           vh first, second;  // rows j to j + 7, then j + 8 to j + 15, their two groups interleaved
           std::memcpy(&first, from + 2 * j, sizeof first);
           std::memcpy(&second, from + 2 * j + W, sizeof second);
-          const vf a = halves_to_floats(first), b = halves_to_floats(second);
-          store(to + j, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
-          store(to + ENTRIES_PER_PASS + j,
-                __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+          split_two_groups(halves_to_floats(first), halves_to_floats(second), to + j);
         }
       }
       return;
@@ -215,10 +222,7 @@ struct Rows {
 #if defined(__AVX512F__)
       if (groups == 2) {  // W = 16 rows' two groups are two vectors: their even and odd lanes
         for (int64_t j = 0; j < count; j += W) {
-          const vf a = load(from + 2 * j), b = load(from + 2 * j + W);
-          store(to + j, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
-          store(to + ENTRIES_PER_PASS + j,
-                __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+          split_two_groups(load(from + 2 * j), load(from + 2 * j + W), to + j);
         }
         continue;
       }

@@ -53,15 +53,6 @@ def inputs(heads, group, dim, length, appended, key_storage, value_storage, grou
     )
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux), the kernel being built with -march=native."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 def fp64_reference(args, doc_query: torch.Tensor | None = None) -> torch.Tensor:
     """The twin's arithmetic in fp64, on the decoded stored inputs (``doc_query``: the query the document's
     keys meet, if not the query itself)."""
@@ -255,7 +246,7 @@ def test_q8_weighs_coded_values_in_integers(kernel, value_storage, dim, group, g
     # The roundings of independent weights mostly cancel: 2^-16 to 2^-19 of the range on these inputs (the bound
     # above is the worst case).
     assert error <= 2**-14 * value_range, (error, value_range)
-    if {"avx512_vnni", "avx512vbmi"} <= _cpu_flags():
+    if {"avx512_vnni", "avx512vbmi"} <= set(cpu_ops._cpu_identity().split()):  # the flags the library is built for
         assert not torch.equal(got, kernel(*args))  # the integer path, not the float one (16-bit keys: no rounding)
     else:
         assert torch.equal(got, kernel(*args))
