@@ -9,8 +9,10 @@ its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
 with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
-source version: the library is kept under :func:`~semanticache_rag.models.home_dir` ``/kernels``) and
-loads it, which registers the C++ kernels for CPU tensors. Where that fails (no C++ compiler, no
+source version: the library is kept under :func:`~semanticache_rag.models.home_dir` ``/kernels``, where
+other versions' libraries are removed once unused for :data:`KEEP_DAYS` days beyond the
+:data:`KEEP_BUILDS` most recently used) and loads it, which registers the C++ kernels for CPU tensors.
+:func:`op` (and :func:`decode_attention`) build them at their first call. Where that fails (no C++ compiler, no
 ninja), the torch twins run and a warning says why, once.
 
 ``decoder_step_cpu.cpp`` adds two classes, ``torch.classes.semanticache.Int4Layers`` and
@@ -27,7 +29,10 @@ import hashlib
 import logging
 import os
 import platform
+import re
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -93,6 +98,12 @@ SCHEMAS = {
         gsc_ref.greedy_seeds,
     ),
 }
+#: builds of other versions (source, torch, Python, CPU) kept: the most recently used ones, ~5 MiB each,
+#: so that switching between environments does not rebuild, and any used in the last KEEP_DAYS days
+KEEP_BUILDS = 4
+KEEP_DAYS = 7
+_BUILD_NAME = re.compile(r"semanticache_cpu_ops_[0-9a-f]{16}")
+_USED = "last-used"  # a build's stamp file, touched at each load
 #: head dims the kernel is built for (others keep the torch ops)
 DIMS = (16, 32, 64, 128, 256)
 
@@ -143,6 +154,44 @@ def _build() -> None:
         build_directory=str(directory),
         is_python_module=False,
     )
+    (directory / _USED).touch()
+    _prune_builds(directory.parent, keep=name)
+
+
+def _last_used(directory: Path) -> float:
+    """When a build was last loaded: its stamp, or for one without (an older version's) its newest file."""
+    try:
+        return (directory / _USED).stat().st_mtime
+    except OSError:
+        return max((entry.stat().st_mtime for entry in directory.iterdir()), default=directory.stat().st_mtime)
+
+
+def _prune_builds(kernels: Path, keep: str) -> list[Path]:
+    """Remove the libraries of other versions in ``kernels`` (each source, torch, Python or CPU version builds
+    its own) that are neither among the :data:`KEEP_BUILDS` most recently used nor used in the last
+    :data:`KEEP_DAYS` days; ``keep`` (the one just loaded) stays. Only folders named as :func:`_library_name`
+    names them are touched; one that cannot be read or removed is left. Returns the removed folders."""
+    builds = []
+    for entry in kernels.iterdir():
+        if entry.name != keep and _BUILD_NAME.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            try:
+                builds.append((_last_used(entry), entry))
+            except OSError:
+                continue
+    builds.sort(reverse=True)
+    cutoff = time.time() - KEEP_DAYS * 86400
+    removed = []
+    for used, entry in builds[KEEP_BUILDS - 1 :]:  # the one just loaded is the other of the KEEP_BUILDS
+        if used < cutoff:
+            try:
+                shutil.rmtree(entry)
+            except OSError as exc:
+                logger.debug("kept the old CPU kernel build %s: %s", entry, exc)
+                continue
+            removed.append(entry)
+    if removed:
+        logger.info("removed %d CPU kernel builds unused for %d days from %s", len(removed), KEEP_DAYS, kernels)
+    return removed
 
 
 @functools.cache
@@ -171,8 +220,8 @@ def supports(dim: int, group: int) -> bool:
 
 def op(name: str):
     """The operator ``torch.ops.semanticache.<name>`` (one of :data:`SCHEMAS`): its C++ kernel on CPU
-    tensors once :func:`available`, else its torch twin."""
-    define()
+    tensors where :func:`available` (which builds them at the first call), else its torch twin."""
+    available()
     return getattr(torch.ops.semanticache, name)
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,54 @@ def test_a_failed_build_warns_once_and_keeps_the_torch_ops(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         assert cpu_ops.available.__wrapped__() is False
     assert "c++: command not found" in caplog.text and "pip install ninja" in caplog.text
+
+
+def test_the_operators_build_the_kernels_at_their_first_call(monkeypatch):
+    """cpu_ops.op (and decode_attention) ask for the library themselves: a script that calls one without
+    calling available() first gets the C++ kernel, not the torch twin without a word."""
+    calls = []
+    monkeypatch.setattr(cpu_ops, "available", lambda: calls.append("available") or False)
+    q, kv = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    cpu_ops.decode_attention(q, kv, None, None, 32, kv, None, None, 32, None, kv, kv)
+    cpu_ops.op("rms_norm")
+    assert calls == ["available", "available"]
+
+
+def test_old_kernel_builds_are_removed_and_recent_ones_kept(tmp_path, monkeypatch):
+    """Each source, torch or Python version builds its own library (~5 MiB): builds beyond the most recently
+    used KEEP_BUILDS that have not been used in KEEP_DAYS days go; the one just loaded, recent ones and
+    folders not named as builds stay."""
+    now = time.time()
+    day = 86400
+
+    def build(name: str, age_days: float, stamped: bool = True) -> Path:
+        folder = tmp_path / f"semanticache_cpu_ops_{name:0>16}"
+        folder.mkdir()
+        (folder / "library.so").write_bytes(b"so")
+        when = now - age_days * day
+        os.utime(folder / "library.so", (when, when))
+        if stamped:
+            (folder / "last-used").touch()
+            os.utime(folder / "last-used", (when, when))
+        return folder
+
+    monkeypatch.setattr(cpu_ops, "KEEP_BUILDS", 3)
+    monkeypatch.setattr(cpu_ops, "KEEP_DAYS", 7)
+    current = build("c0", 400)  # just loaded: kept whatever its stamp says
+    recent = [build(f"a{i}", i) for i in range(1, 4)]  # within 7 days: kept though beyond KEEP_BUILDS
+    newest_old = build("b1", 30)  # fourth most recently used of the others: beyond KEEP_BUILDS with current
+    old = [build("b2", 60), build("b3", 90, stamped=False)]  # no stamp: its newest file's time
+    other = tmp_path / "ab"
+    other.mkdir()
+    odd = tmp_path / "semanticache_cpu_ops_not-a-hash"
+    odd.mkdir()
+    removed = cpu_ops._prune_builds(tmp_path, keep=current.name)
+    assert sorted(removed) == sorted([newest_old, *old])
+    assert all(p.exists() for p in (current, *recent, other, odd))
+    # with KEEP_BUILDS of 6, the three old ones are among the most recently used and stay
+    build("b4", 50)
+    monkeypatch.setattr(cpu_ops, "KEEP_BUILDS", 6)
+    assert cpu_ops._prune_builds(tmp_path, keep=current.name) == []
 
 
 def test_the_benchmark_times_every_storage_it_is_given(kernel, tmp_path):
