@@ -19,6 +19,7 @@ process's peak memory, uncompressed and compressed (``memory.md``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -103,22 +104,25 @@ def decode(
     question: str = QUESTION,
     between: Callable[[], object] | None = None,
 ):
-    """Greedy (or ``forced``) decoding after ``question``: (token ids, log-probs per step, seconds per step).
-    ``between``: called, untimed, after every BANDWIDTH_EVERY steps."""
+    """Greedy (or ``forced``) decoding after ``question``: (token ids, log-probs per step, seconds per step,
+    where the steps' time went where they run in C++: :meth:`~semanticache_rag.fused.FusedLlama.timed_steps`,
+    else ``{}``). ``between``: called, untimed, after every BANDWIDTH_EVERY steps."""
     tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
     kv = ConversationKV(cache.layers)
     logits = engine.forward(kv, tail, cache.positions)[-1]
     ids, logprobs, times = [], [], []
-    for step in range(steps):
-        logprobs.append(logits.float().log_softmax(-1))
-        token = forced[step] if forced is not None else int(logits.argmax())
-        ids.append(token)
-        started = time.perf_counter()
-        logits = engine.forward(kv, [token], cache.positions + len(tail) + step)[-1]
-        times.append(time.perf_counter() - started)
-        if between is not None and (step + 1) % BANDWIDTH_EVERY == 0:
-            between()
-    return ids, torch.stack(logprobs), times
+    lean = getattr(engine.model, "semanticache_forward", None)
+    with lean.timed_steps() if lean is not None else contextlib.nullcontext({}) as parts:
+        for step in range(steps):
+            logprobs.append(logits.float().log_softmax(-1))
+            token = forced[step] if forced is not None else int(logits.argmax())
+            ids.append(token)
+            started = time.perf_counter()
+            logits = engine.forward(kv, [token], cache.positions + len(tail) + step)[-1]
+            times.append(time.perf_counter() - started)
+            if between is not None and (step + 1) % BANDWIDTH_EVERY == 0:
+                between()
+    return ids, torch.stack(logprobs), times, parts
 
 
 def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
@@ -136,7 +140,7 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
                 # GB/s within a run, and one measurement per format and length put cells decoded a minute
                 # later against a bandwidth they did not have.
                 samples = [read_bandwidth(sample)]
-                ids, logprobs, times = decode(
+                ids, logprobs, times, parts = decode(
                     engine,
                     cache,
                     steps,
@@ -161,10 +165,14 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
                     "decode_ms": round(1000 * statistics.median(times), 1),
                     "step_mib": round(step_bytes / 2**20, 1),
                     "floor_ms": round(1000 * step_bytes / bandwidth, 1),
+                    "weights_floor_ms": round(1000 * step_weights / bandwidth, 1),
                     "bandwidth_gb_s": round(bandwidth / 1e9, 1),
                     "bandwidth_samples_gb_s": [round(b / 1e9, 1) for b in samples],
                     "kl_to_fp32_full": round(float(kl.mean()), 5),
                 }
+                if parts:  # the C++ step's parts (means), and the rest of a step's mean: Python's
+                    row["parts_ms"] = {k: v for k, v in parts.items() if k != "steps"}
+                    row["parts_ms"]["python"] = round(1000 * statistics.mean(times) - parts["step"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del engine
@@ -261,6 +269,52 @@ def table(rows: list[dict], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
+PARTS = ("attention", "products", "head", "other", "python")
+
+
+def parts_table(rows: list[dict]) -> str:
+    """Where the steps of each cell timed in parts go (means, ms): the layers' attention, the rest of the
+    layers (the weight products and the row operations between them), the head, the C++ call's own rest,
+    Python's; with the cell's floor (ms at the measured bandwidth) and what the weights alone would take."""
+    timed = [r for r in rows if "parts_ms" in r]
+    if not timed:
+        return ""
+    head = ["weights", "cache", "tokens", "step (mean)", *PARTS, "floor", "floor of weights"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in timed:
+        p = r["parts_ms"]
+        cells = [r["weights"], r["cache"], r["tokens"], round(p["step"] + p["python"], 2)]
+        cells += [round(p[k], 2) for k in PARTS] + [r["floor_ms"], r.get("weights_floor_ms", "")]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def plot_parts(rows: list[dict], path: Path) -> None:
+    """Stacked bars of :func:`parts_table`, one per timed cell, its floor as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if "parts_ms" in r]
+    if not timed:
+        return
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(timed) + 1.5))
+    labels = [f"{r['weights']}, {r['cache']}, {r['tokens']}" for r in timed]
+    left = [0.0] * len(timed)
+    for part in PARTS:
+        widths = [r["parts_ms"][part] for r in timed]
+        ax.barh(labels, widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.scatter([r["floor_ms"] for r in timed], labels, color="black", marker="|", s=200, label="floor", zorder=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms a decoding step (mean, 2 threads)")
+    ax.legend(fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -330,12 +384,21 @@ def main() -> None:
         json.dumps({"read_bandwidth_gb_s": [min(bandwidths), max(bandwidths)], "rows": rows}, indent=1) + "\n"
     )
     plot(rows, results / "speed.png")
+    plot_parts(rows, results / "parts.png")
+    parts = parts_table(rows)
     text = (
         "# Speed on CPUs\n\n"
         f"`python -m benchmarks.speed --lengths {' '.join(map(str, args.lengths))} --steps {args.steps} --weights "
         f"{' '.join(args.weights)}`; measured read bandwidth {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s (floor = "
         f"bytes a step reads / the median of the bandwidth measured before a cell's first step and after every "
-        f"{BANDWIDTH_EVERY}th).\n\n" + table(rows, args.lengths) + f"\n\n{environment(started)}\n"
+        f"{BANDWIDTH_EVERY}th).\n\n"
+        + table(rows, args.lengths)
+        + (
+            "\n\nWhere the steps that run in one C++ call (int4 weights) go, ms (means; `parts.png`):\n\n" + parts
+            if parts
+            else ""
+        )
+        + f"\n\n{environment(started)}\n"
     )
     (results / "speed.md").write_text(text)
     print(text)

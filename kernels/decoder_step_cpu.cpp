@@ -16,6 +16,8 @@
 //   whether its products keep fp32 rows (weights="int4-exact"); step() runs every layer for one token.
 //   With its ends set (set_ends: the embedding table, the final norm, a Q8_0 head), token_step() runs
 //   the whole step from a token id to its logits, so that no Python operation is left between them.
+//   With set_timing(true) it adds up where its steps' time goes (timings(): the attention, the rest of
+//   the layers, the head), for benchmarks; a few clock readings a layer, only then.
 // - StepDocument: one conversation's document layers as the attention kernel takes them (rows or
 //   codes, scales, minimums, bits; the log s bias), made once per conversation, and from its first step
 //   each layer's attention tasks (the document read and checked once: at a step its tensors' metadata
@@ -47,6 +49,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -101,6 +105,8 @@ struct StepDocument : torch::CustomClassHolder {
 };
 
 struct Int4Layers : torch::CustomClassHolder {
+  using Clock = std::chrono::steady_clock;
+  enum Timing { STEPS, TOKEN_STEP, REGION, ATTENTION, HEAD, TIMINGS };  // timings()'s order
   std::vector<at::Tensor> weights;  // WEIGHTS_PER_LAYER a layer
   std::vector<double> eps;          // per layer: the two norms' epsilons
   int64_t heads, kv_heads, dim;
@@ -121,6 +127,14 @@ struct Int4Layers : torch::CustomClassHolder {
     TORCH_CHECK(!weights.empty(), "Int4Layers takes at least one layer");
     hidden = weights[0].numel();
     for (int64_t l = 0; l < layers(); ++l) views.push_back(layer_view(l));
+  }
+
+  // set_timing, timings(): written by the calling thread (thread 0 in the region) of one step at a time
+  bool timing = false;
+  mutable std::array<double, TIMINGS> times{};
+
+  static double seconds_since(Clock::time_point started) {
+    return std::chrono::duration<double>(Clock::now() - started).count();
   }
 
   // What a step reads of one layer's weights, viewed (and checked) once.
@@ -185,11 +199,36 @@ struct Int4Layers : torch::CustomClassHolder {
 
   bool has_head() const { return head_codes.defined(); }
 
+  // Where steps' time goes while timing is on (set_timing(true) starts it from zero): steps, then seconds in
+  // token_step, in step()'s parallel region, in its attention (thread 0's tasks and the wait for the other
+  // threads' at the barrier after them) and in the head's product. The region less the attention is the
+  // products and the small row operations between them; token_step less the region and the head, the
+  // embedding row, the checks and binds before the region and the final norm.
+  void set_timing(bool on) {
+    if (on) times.fill(0.0);
+    timing = on;
+  }
+
+  std::vector<double> timings() const { return {times.begin(), times.end()}; }
+
   // One whole step for token `token`: its embedding row, every layer (step()), the final norm, and with
   // `head` the logits (1, V) by the Q8_0 head (set_ends), otherwise the final hidden state (1, hidden).
   at::Tensor token_step(int64_t token, const at::Tensor& cos, const at::Tensor& sin,
                         const c10::intrusive_ptr<StepDocument>& document, const std::vector<at::Tensor>& appended_keys,
                         const std::vector<at::Tensor>& appended_values, int64_t length, bool head) const {
+    const Clock::time_point started = timing ? Clock::now() : Clock::time_point{};
+    const at::Tensor out = token_step_(token, cos, sin, document, appended_keys, appended_values, length, head);
+    if (timing) {
+      times[STEPS] += 1.0;
+      times[TOKEN_STEP] += seconds_since(started);
+    }
+    return out;
+  }
+
+  at::Tensor token_step_(int64_t token, const at::Tensor& cos, const at::Tensor& sin,
+                         const c10::intrusive_ptr<StepDocument>& document,
+                         const std::vector<at::Tensor>& appended_keys, const std::vector<at::Tensor>& appended_values,
+                         int64_t length, bool head) const {
     TORCH_CHECK(embedding.defined(), "token_step needs the embedding and the final norm (set_ends)");
     TORCH_CHECK(token >= 0 && token < embedding.size(0), "token ", token, " is outside the vocabulary of ",
                 embedding.size(0));
@@ -200,8 +239,12 @@ struct Int4Layers : torch::CustomClassHolder {
     const at::Tensor normed =
         at::mul(final_norm, at::mul(x, at::rsqrt(at::add(at::mean(at::pow(x, 2), {-1}, true), final_eps))));
     if (!head) return normed;
-    return head_scales.scalar_type() == at::kFloat ? semanticache::q8_0_product_fp32(normed, head_codes, head_scales)
-                                                   : semanticache::q8_0_product(normed, head_codes, head_scales);
+    const Clock::time_point started = timing ? Clock::now() : Clock::time_point{};
+    at::Tensor logits = head_scales.scalar_type() == at::kFloat
+                            ? semanticache::q8_0_product_fp32(normed, head_codes, head_scales)
+                            : semanticache::q8_0_product(normed, head_codes, head_scales);
+    if (timing) times[HEAD] += seconds_since(started);
+    return logits;
   }
 
   // x (1, hidden) float32 after every layer for one new token at RoPE's cos and signed sin (D,); its key
@@ -244,6 +287,8 @@ struct Int4Layers : torch::CustomClassHolder {
     float* result = x.data_ptr<float>();
     const float* c = cos.data_ptr<float>();
     const float* s = sin.data_ptr<float>();
+    const Clock::time_point region_started = timing ? Clock::now() : Clock::time_point{};
+    double attention_seconds = 0.0;
 #pragma omp parallel num_threads(threads)
     {
       Worker worker(*this, hidden, std::max({hidden, q_size, inner}), result);
@@ -256,8 +301,10 @@ struct Int4Layers : torch::CustomClassHolder {
 #pragma omp barrier
         worker.rotate(qkv.data(), c, s, rows[l], scaling);
 #pragma omp barrier
+        const Clock::time_point attention_started = timing && worker.first ? Clock::now() : Clock::time_point{};
         for (int64_t task = tasks.next(); task < tasks.tasks(); task = tasks.next()) tasks.run(task, worker.query.data());
 #pragma omp barrier
+        if (timing && worker.first) attention_seconds += seconds_since(attention_started);
         tasks.merge(worker.attended.data());
         worker.product(p.o, worker.attended.data(), q_size, projected.data());
 #pragma omp barrier
@@ -272,6 +319,10 @@ struct Int4Layers : torch::CustomClassHolder {
         worker.add(down.data());
       }
       if (worker.first) std::copy(worker.residual.begin(), worker.residual.end(), result);
+    }
+    if (timing) {
+      times[REGION] += seconds_since(region_started);
+      times[ATTENTION] += attention_seconds;
     }
     return x;
   }
@@ -376,5 +427,7 @@ TORCH_LIBRARY_FRAGMENT(semanticache, m) {
       .def("step", &Int4Layers::step)
       .def("set_ends", &Int4Layers::set_ends)
       .def("has_head", &Int4Layers::has_head)
-      .def("token_step", &Int4Layers::token_step);
+      .def("token_step", &Int4Layers::token_step)
+      .def("set_timing", &Int4Layers::set_timing)
+      .def("timings", &Int4Layers::timings);
 }

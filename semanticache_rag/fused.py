@@ -23,6 +23,8 @@ models keep transformers' forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -221,6 +223,29 @@ class FusedLlama:
             group = self.heads // self.kv_heads
             self._kernel = cpu_ops.supports(self.head_dim, group) and cpu_ops.available()
         return self._kernel
+
+    @contextlib.contextmanager
+    def timed_steps(self):
+        """Time the parts of the C++ steps run inside (for benchmarks): yields a dict that, at exit, holds the
+        steps counted and per step the milliseconds of the whole C++ call (``step``), the attention of every
+        layer, the rest of the layers (``products``: the weight products and the small row operations
+        between them), the head, and the C++ call's own rest (``other``: the embedding row, checks, the final
+        norm). Empty where steps do not run in C++ (weights other than int4, no kernels)."""
+        native = self._native_layers()
+        timings: dict = {}
+        if native is None:
+            yield timings
+            return
+        native.set_timing(True)
+        try:
+            yield timings
+        finally:
+            steps, whole, region, attention, head = native.timings()
+            native.set_timing(False)
+            if steps:
+                parts = {"step": whole, "attention": attention, "products": region - attention, "head": head}
+                parts["other"] = whole - region - head
+                timings.update({"steps": int(steps), **{k: round(1000 * v / steps, 3) for k, v in parts.items()}})
 
     def _native_layers(self):
         """The C++ step's weights (:func:`native_layers`), made at the first call; ``None`` where it cannot run."""

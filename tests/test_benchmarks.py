@@ -192,6 +192,28 @@ def test_speed_tables_put_every_row_in_its_length_column():
     assert "| int4 | none | 330 | 311 |" in memory
 
 
+def test_speed_parts_table_and_plot_show_where_each_timed_cell_goes(tmp_path):
+    """Cells whose steps ran in one C++ call carry their parts (ms): one table line each, with the floor and the
+    weights' own floor; cells without parts are left out, and with none there is no table or plot."""
+    from benchmarks.speed import parts_table, plot_parts
+
+    parts = {"step": 7.0, "attention": 4.0, "products": 2.0, "head": 0.9, "other": 0.1, "python": 0.3}
+    timed = {"system": "ours", "weights": "int4", "cache": "Kaizen 0.75", "tokens": 7000, "floor_ms": 3.8}
+    rows = [
+        {**timed, "parts_ms": parts, "weights_floor_ms": 2.1},
+        {"system": "ours", "weights": "model", "cache": "full", "tokens": 7000, "floor_ms": 12.0},
+        {"system": "llama.cpp", "tokens": 7000, "decode_ms": 28.0},
+    ]
+    text = parts_table(rows)
+    assert text.splitlines()[2] == "| int4 | Kaizen 0.75 | 7000 | 7.3 | 4.0 | 2.0 | 0.9 | 0.1 | 0.3 | 3.8 | 2.1 |"
+    assert len(text.splitlines()) == 3
+    plot_parts(rows, tmp_path / "parts.png")
+    assert (tmp_path / "parts.png").stat().st_size > 1000
+    assert parts_table(rows[1:]) == ""
+    plot_parts(rows[1:], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_compression_share_table_has_every_compressor_ratio_and_length():
     from benchmarks.compression_share import COMPRESSORS, RATIOS, table
 
@@ -284,7 +306,10 @@ def test_speed_decode_samples_the_bandwidth_between_steps_untimed(tiny_llama_eng
     cache = tiny_llama_engine.read(document_text[:800], progress=False)
     steps = 2 * BANDWIDTH_EVERY + 3
     calls: list[int] = []
-    ids, logprobs, times = decode(tiny_llama_engine, cache, steps, None, between=lambda: calls.append(len(calls)))
-    plain_ids, _, _ = decode(tiny_llama_engine, cache, steps, None)
+    ids, logprobs, times, parts = decode(
+        tiny_llama_engine, cache, steps, None, between=lambda: calls.append(len(calls))
+    )
+    plain_ids, _, _, _ = decode(tiny_llama_engine, cache, steps, None)
     assert calls == [0, 1] and len(times) == steps == len(ids) == logprobs.shape[0]
+    assert parts == {}  # weights as loaded: the steps do not run in one C++ call, nothing to split
     assert ids == plain_ids

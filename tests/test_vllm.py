@@ -35,7 +35,7 @@ STEPS = 8
 
 def greedy(engine: Engine, cache) -> tuple[list[int], list[float]]:
     """Our engine's greedy tokens after :data:`QUESTION` and the log-probability of each."""
-    tokens, logprobs, _ = decode(engine, cache, STEPS, None, QUESTION)
+    tokens, logprobs, _, _ = decode(engine, cache, STEPS, None, QUESTION)
     return tokens, logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 

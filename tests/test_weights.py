@@ -535,6 +535,44 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     assert kv.step_document is False and "low_rank" in kv.step_inputs[1] and torch.equal(native, scripted)
 
 
+def test_timed_native_steps_say_where_their_time_goes(tiny_llama, tiny_tokenizer):
+    """FusedLlama.timed_steps (for benchmarks): the C++ steps inside are counted and their time split into
+    the layers' attention, the rest of the layers, the head and the call's own rest, each part inside the
+    whole; steps after it are not counted, and the answers are the untimed steps' own. Without the C++
+    step (fp16 weights) it says nothing."""
+    from semanticache_rag import make_compressor
+    from semanticache_rag.kv import ConversationKV
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    model = copy.deepcopy(tiny_llama)
+    with torch.no_grad():  # a tied Q8_0 head, as the default model's: computed in the C++ call
+        model.model.embed_tokens.weight.copy_(_q8_0_weights(*model.model.embed_tokens.weight.shape, seed=11))
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, "int4")
+    cache = engine.compress(prefill, make_compressor("kaizen", 0.6, options=("int4",)))
+    untimed, _ = decode(cache, scripted=False, native=True)
+    lean = engine.model.semanticache_forward
+    ids = tiny_tokenizer("Which code?")["input_ids"]
+    kv = ConversationKV(cache.layers, capacity=len(ids) + 1)
+    engine.forward(kv, ids, cache.positions)
+    tokens = [5, 17, 5, 30]
+    with lean.timed_steps() as timings:
+        timed = [engine.forward(kv, [token], cache.positions + len(ids) + i) for i, token in enumerate(tokens[:3])]
+    timed.append(engine.forward(kv, [tokens[3]], cache.positions + len(ids) + 3))  # after: not counted
+    assert torch.equal(torch.stack(timed), untimed)
+    assert timings["steps"] == 3 and set(timings) == {"steps", "step", "attention", "products", "head", "other"}
+    assert min(timings["attention"], timings["products"], timings["head"]) > 0 and timings["other"] >= 0
+    assert timings["attention"] + timings["products"] + timings["head"] <= timings["step"]
+    assert lean._native.timings()[0] == 3.0  # the step after it was not counted
+
+    engine, prefill, decode = _scripted_and_python_steps(tiny_llama, tiny_tokenizer, "fp16")
+    with engine.model.semanticache_forward.timed_steps() as timings:
+        decode(engine.compress(prefill, make_compressor("none")), scripted=False)
+    assert timings == {}
+
+
 @pytest.mark.parametrize("weights", ["int4", "int4-exact"])
 def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_llama, tiny_tokenizer, weights):
     """A head that is not Q8_0 (here an untied one: bf16 for int4, as loaded for int4-exact) is left to the
