@@ -168,9 +168,13 @@ class Engine:
         ``head=False`` is for models whose logits are their output head over those states
         (the lean pass, or a class in :data:`~semanticache_rag.surprisal.PLAIN_HEAD`).
         """
-        input_ids = torch.tensor([ids], device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
         lean = getattr(self.model, "semanticache_forward", None)
+        if lean is not None and len(ids) == 1:  # a decoding step: no tensors made for the token and position
+            with self._lock, torch.inference_mode():
+                return lean.token(kv, ids[0], start, head=head)[0]
+        device = self.device
+        input_ids = torch.tensor([ids], device=device)
+        positions = torch.arange(start, start + len(ids), device=device)[None]
         with self._lock, torch.inference_mode():
             if lean is not None:  # converted weights on a Llama model: fused products (semanticache_rag.fused)
                 return lean(kv, input_ids, positions, keep, head=head)[0]

@@ -160,22 +160,32 @@ class FusedLlama:
         angles = torch.cat((freqs, freqs), dim=-1)
         return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
 
+    @staticmethod
+    def _position(position_ids: torch.Tensor) -> int:
+        """The one position of a decoding step's ``position_ids``."""
+        if position_ids.numel() != 1:
+            raise ValueError(f"a decoding step takes one position, got {position_ids.numel()}")
+        return int(position_ids.reshape(-1)[0])
+
     def _rotation(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_rotation_at` the one position of ``position_ids``."""
+        return self._rotation_at(self._position(position_ids), dtype)
+
+    def _rotation_at(self, position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and the signed ``sin`` of one position, so that RoPE is ``x * cos + x[..., swap] * sin``.
 
         Rows of a table of :data:`ROTATION_BLOCK` positions, made at once by the same operations (each value
-        the one a single position gives, bit for bit: tested), so that a step makes none of them.
+        the one a single position gives, bit for bit: tested), so that a step makes none of them (its rows'
+        views too are made with the table).
         """
-        if position_ids.numel() != 1:
-            raise ValueError(f"a decoding step takes one position, got {position_ids.numel()}")
-        block, row = divmod(int(position_ids.reshape(-1)[0]), ROTATION_BLOCK)
+        block, row = divmod(position, ROTATION_BLOCK)
         table = self._rotations.get((block, dtype))
         if table is None:
             first = block * ROTATION_BLOCK
             cos, sin = self._cos_sin(torch.arange(first, first + ROTATION_BLOCK)[None], dtype)
             half = sin.shape[-1] // 2
             sin[..., :half].neg_()  # rotate_half's minus sign, carried by sin
-            table = (cos[0], sin[0])
+            table = (cos[0].unbind(0), sin[0].unbind(0))
             if len(self._rotations) >= ROTATION_TABLES:  # the oldest goes (conversations interleave steps)
                 self._rotations.pop(next(iter(self._rotations)), None)
             self._rotations[(block, dtype)] = table
@@ -194,17 +204,10 @@ class FusedLlama:
         norm and RoPE's angles took 0.45 ms of a 7 ms step on a 2-core AVX2 CPU before they moved.
         """
         core = self.model.model
+        out = self._native_step(kv, int(input_ids), self._position(position_ids), head)
+        if out is not None:  # int4 weights: the whole step in one C++ call
+            return out
         cos, sin = self._rotation(position_ids, self.dtype)
-        native = self._native_layers() if self._scripted_inputs(kv) else None
-        document = scripted_step.kept_step_document(kv) if native is not None else None
-        if native is not None and document is not None:  # int4 weights: the whole step in one C++ call
-            appended_keys, appended_values, length = kv.buffers(1)
-            in_step = head and native.has_head()
-            out = native.token_step(
-                int(input_ids), cos, sin, document, appended_keys, appended_values, length, in_step
-            ).view(1, 1, -1)
-            kv.extend(1)
-            return self.model.lm_head(out) if head and not in_step else out
         x = core.embed_tokens(input_ids).view(1, -1)
         scripted = self._script() if self._scripted_inputs(kv) else None
         if scripted is None:
@@ -213,6 +216,32 @@ class FusedLlama:
             x = self._scripted_layers(scripted, kv, x, cos, sin)
         x = self._norm(core.norm, x.view(1, 1, -1))
         return self.model.lm_head(x) if head else x
+
+    def token(self, kv, token: int, position: int, head: bool = True) -> torch.Tensor:
+        """:meth:`__call__` for one token at one position, given as ints (a decoding step): where the step runs
+        in one C++ call, no tensor is made for them (each Python operation left in a step costs ~5x its
+        cache-warm time there, after the weights have streamed through the caches)."""
+        if kv.observe is None and self.dtype == torch.float32:
+            out = self._native_step(kv, token, position, head)
+            if out is not None:
+                return out
+        device = self.model.model.embed_tokens.weight.device
+        return self(kv, torch.tensor([[token]], device=device), torch.tensor([[position]], device=device), 1, head)
+
+    def _native_step(self, kv, token: int, position: int, head: bool) -> torch.Tensor | None:
+        """The step by the C++ int4 step (:func:`native_layers`: the embedding row, the layers, the final norm
+        and a Q8_0 head in one call), or ``None`` (nothing done) where it cannot take this model or cache."""
+        native = self._native_layers() if self._scripted_inputs(kv) else None
+        document = scripted_step.kept_step_document(kv) if native is not None else None
+        if document is None:
+            return None
+        cos, sin = self._rotation_at(position, self.dtype)
+        appended_keys, appended_values, length = kv.buffers(1)
+        in_step = head and native.has_head()
+        out = native.token_step(token, cos, sin, document, appended_keys, appended_values, length, in_step)
+        kv.extend(1)
+        out = out.view(1, 1, -1)
+        return self.model.lm_head(out) if head and not in_step else out
 
     def kernel(self) -> bool:
         """Whether decoding steps attend through the C++ kernel (:mod:`~semanticache_rag.kernels.cpu_ops`):
