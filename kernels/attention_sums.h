@@ -12,7 +12,8 @@ namespace semanticache::cpu {
 // Scores of rows [0, n) of a (n, D) tile (n <= W) for one query (C vectors), plus the bias. FULL: n == W,
 // with no test per row: GCC kept the `r < n` test as a branch before every multiply-add, and that one loop
 // made the fp32 kernel stream at ~60% of the copy bandwidth (4K tokens, 30 layers: 9.5 -> 6.3 ms).
-template <int64_t D, bool FULL>
+// STREAMED: the tile is fp32 rows read where they are stored; each vector read asks for the line a few rows on.
+template <int64_t D, bool FULL, bool STREAMED = false>
 inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const float* bias) {
   constexpr int64_t C = D / W;
   if constexpr (FULL) n = W;
@@ -25,8 +26,10 @@ inline vf scores_of_rows(const vf* query, const float* tile, int64_t n, const fl
 #pragma GCC unroll 32
     for (int64_t c = 0; c < C; ++c) {
       const vf q = query[c];
-      for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t r = 0; r < ROWS; ++r) {
+        if (STREAMED) prefetch_vector_ahead(tile + (r0 + r) * D + W * c, D, c);
         if (FULL || r0 + r < n) part[r] += q * load(tile + (r0 + r) * D + W * c);
+      }
     }
     for (int64_t r = 0; r < ROWS; ++r) acc[r0 + r] = part[r];
   }

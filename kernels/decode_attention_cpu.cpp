@@ -89,8 +89,8 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     for (int64_t c = 0; c < C; ++c) q[g][c] = load(query + g * D + W * c);
   for (int64_t start = begin; start < end; start += ENTRIES_PER_PASS) {
     const int64_t count = std::min(ENTRIES_PER_PASS, end - start), slices = (count + W - 1) / W;
-    if (!keys.prefetched_by_row()) keys.prefetch_ahead(head, start, begin, end);
-    if (!values.prefetched_by_row()) values.prefetch_ahead(head, start, begin, end);
+    if (!keys.prefetched_by_row() && !keys.streamed(D)) keys.prefetch_ahead(head, start, begin, end);
+    if (!values.prefetched_by_row() && !values.streamed(D)) values.prefetch_ahead(head, start, begin, end);
     // -- scores of the pass, W rows at a time (padding lanes -inf)
     if (integer) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -126,8 +126,13 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
         for (int64_t s = 0; s < slices; ++s) {
           const int64_t n = std::min<int64_t>(W, count - W * s);
           const float* row_bias = bias == nullptr ? nullptr : bias + start + W * s;
-          vf sums = n == W ? scores_of_rows<D, true>(q[g], key + W * s * D, n, row_bias)
-                           : scores_of_rows<D, false>(q[g], key + W * s * D, n, row_bias);
+          vf sums;
+          if (g == 0 && keys.streamed(D))  // the first head reads the rows from memory
+            sums = n == W ? scores_of_rows<D, true, true>(q[g], key + W * s * D, n, row_bias)
+                          : scores_of_rows<D, false, true>(q[g], key + W * s * D, n, row_bias);
+          else
+            sums = n == W ? scores_of_rows<D, true>(q[g], key + W * s * D, n, row_bias)
+                          : scores_of_rows<D, false>(q[g], key + W * s * D, n, row_bias);
           for (int64_t r = n; r < W; ++r) sums[r] = -INFINITY;
           store(scores[g] + W * s, sums);
         }
@@ -181,7 +186,9 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     } else if constexpr (DECODED) {
       with_rows<D>(values, head, start, count, tile, factors, add_pass_values);
     } else {
-      add_pass_values(Tile<D>{values.rows<D>(head, start, count, tile, factors)});
+      const float* rows = values.rows<D>(head, start, count, tile, factors);
+      if (values.streamed(D)) add_pass_values(Tile<D, true>{rows});
+      else add_pass_values(Tile<D>{rows});
     }
   }
   if (weighs) integer_values.finish(partial.out);
