@@ -5,9 +5,12 @@ llama.cpp is what people run a model on a CPU with (directly, or under Ollama / 
 directory of its own under :func:`~semanticache_rag.models.home_dir` (``llama-bench/``): the sdist
 is fetched with ``pip download`` (PyPI is reachable where model hubs are not), unpacked, and
 ``cmake`` builds the one target; a marker records the version and how long the build took, so a
-half-finished build is redone.
+half-finished build is redone. Given the model, the build is tried on it first: where ggml's AMX kernels
+stop with an illegal instruction (seen on an Intel Xeon with AMX in a virtual machine: SIGILL at
+``tileloadd`` in a worker thread, though a plain AMX program ran there), it is built again without AMX
+(``-mno-amx-*``), and the record says so.
 
-    python -m benchmarks.llama_bench           # build (minutes, once) and print the binary's path
+    python -m benchmarks.llama_bench           # build (minutes, once), try it on the default model, print its record
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -48,19 +52,50 @@ def build_record(root: Path | None = None) -> dict | None:
     return record
 
 
-def ensure_llama_bench(root: Path | None = None) -> dict:
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit, so -march=native does not turn them back on
+
+
+def ensure_llama_bench(root: Path | None = None, model: Path | None = None) -> dict:
     """Build ``llama-bench`` once (CPU, native instructions); return its build record.
+
+    ``model``: a GGUF to try the binary on (a 32-token prompt); where it stops with SIGILL, it is built
+    again without AMX (``"amx": "off"`` in the record, ``amx_s`` the second build's seconds).
 
     Raises
     ------
     RuntimeError
-        When the download or the build fails (the message holds the tail of the output), or when
-        ``cmake`` is missing (``apt-get install cmake``).
+        When the download or the build fails (the message holds the tail of the output), when
+        ``cmake`` is missing (``apt-get install cmake``), or when the binary fails on ``model``.
     """
     root = root or home_dir() / "llama-bench"
     record = build_record(root)
-    if record is not None:
-        return record
+    if record is None:
+        record = _download_and_build(root)
+    if model is not None and record.get("amx") != "off" and not _runs(record["binary"], model):
+        logger.info("llama-bench stopped with an illegal instruction in its AMX kernels; building it without AMX")
+        started = time.perf_counter()
+        source = record.get("source") or next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        _build(Path(source), root / "build", NO_AMX)
+        record = {**record, "amx": "off", "amx_s": round(time.perf_counter() - started, 1)}
+        (root / MARKER).write_text(json.dumps(record))
+    if model is not None and not _runs(record["binary"], model):
+        raise RuntimeError(f"{record['binary']} stops with an illegal instruction on {model}, even without AMX")
+    return record
+
+
+def _runs(binary: str, model: Path) -> bool:
+    """Whether ``binary`` processes a 32-token prompt of ``model`` without an illegal instruction."""
+    command = [binary, "-m", str(model), "-t", "1", "-r", "1", "-p", "32", "-n", "0", "-o", "json"]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode in (-signal.SIGILL, 128 + signal.SIGILL):
+        return False
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}):\n{tail}")
+    return True
+
+
+def _download_and_build(root: Path) -> dict:
     if shutil.which("cmake") is None:
         raise RuntimeError("building llama-bench needs cmake: apt-get install cmake (or pip install cmake)")
     shutil.rmtree(root, ignore_errors=True)
@@ -87,32 +122,44 @@ def ensure_llama_bench(root: Path | None = None) -> dict:
     with tarfile.open(sdist) as archive:
         archive.extractall(root, filter="data")
     source = next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    build = root / "build"
-    logger.info("building llama-bench from %s (about 10 minutes on 2 cores)", source)
-    _run(
-        [
-            "cmake",
-            "-S",
-            str(source),
-            "-B",
-            str(build),
-            "-DCMAKE_BUILD_TYPE=Release",
-            "-DGGML_NATIVE=ON",
-            "-DLLAMA_CURL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF",
-            "-DLLAMA_BUILD_SERVER=OFF",
-        ],
-        root,
-    )
-    _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", "2"], root)
-    binary = build / "bin" / "llama-bench"
-    if not binary.is_file():
-        raise RuntimeError(f"the build finished without {binary}")
-    record = {"version": VERSION, "binary": str(binary), "build_s": round(time.perf_counter() - started, 1)}
+    logger.info("building llama-bench from %s (about 3-10 minutes on 2 cores)", source)
+    binary = _build(source, root / "build")
+    record = {
+        "version": VERSION,
+        "binary": str(binary),
+        "source": str(source),
+        "build_s": round(time.perf_counter() - started, 1),
+    }
     (root / MARKER).write_text(json.dumps(record))
     return record
 
 
+def _build(source: Path, build: Path, flags: str = "") -> Path:
+    """Configure (C and C++ ``flags`` added) and build the ``llama-bench`` target; its path."""
+    configure = [
+        "cmake",
+        "-S",
+        str(source),
+        "-B",
+        str(build),
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        f"-DCMAKE_C_FLAGS={flags}",
+        f"-DCMAKE_CXX_FLAGS={flags}",
+    ]
+    _run(configure, build.parent)
+    _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", "2"], build.parent)
+    binary = build / "bin" / "llama-bench"
+    if not binary.is_file():
+        raise RuntimeError(f"the build finished without {binary}")
+    return binary
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(json.dumps(ensure_llama_bench()))
+    from semanticache_rag.models import default_gguf
+
+    print(json.dumps(ensure_llama_bench(model=default_gguf())))

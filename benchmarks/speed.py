@@ -69,7 +69,7 @@ def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
     """llama-bench's prompt processing at depth 0 and generation at each depth, 2 threads."""
     from benchmarks.llama_bench import ensure_llama_bench
 
-    build = ensure_llama_bench()
+    build = ensure_llama_bench(model=default_gguf())
     rows = []
     for args in (
         ["-p", ",".join(map(str, lengths)), "-n", "0"],
@@ -93,7 +93,8 @@ def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
                 rows.append({"system": "llama.cpp", "tokens": r["n_prompt"], "read_tok_s": round(r["avg_ts"], 1)})
             else:
                 rows.append({"system": "llama.cpp", "tokens": r["n_depth"], "decode_ms": round(1000 / r["avg_ts"], 1)})
-    return [{**r, "build_s": build["build_s"], "version": build["version"]} for r in rows]
+    built = {"build_s": build["build_s"], "version": build["version"], "amx": build.get("amx", "as -march=native")}
+    return [{**r, **built} for r in rows]
 
 
 def decode(
@@ -255,6 +256,8 @@ def table(rows: list[dict], lengths: list[int]) -> str:
         kls = [r["kl_to_fp32_full"] for r in found if r and "kl_to_fp32_full" in r]
         shares = [r["compress_share"] for r in found if r and "compress_share" in r]
         name = "llama.cpp, Q4_1 GGUF" if key[0] == "llama.cpp" else f"ours, {key[1]} weights, {key[2]}"
+        if any(r and r.get("amx") == "off" for r in found):
+            name += " (built without AMX)"
         kl = f"{statistics.mean(kls):.4f}" if kls else ""
         share = f"{max(shares):.0%}" if shares and key[2] != "full" else ""
         lines.append(f"| {name} | " + " | ".join(decode) + f" | {kl} | {share} |")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,6 +243,42 @@ def test_llama_bench_without_cmake_says_how_to_get_it_and_keeps_a_finished_build
     (tmp_path / "done" / llama_bench.MARKER).write_text(json.dumps(record))
     assert llama_bench.ensure_llama_bench(tmp_path / "done") == record  # found, nothing rebuilt or removed
     assert binary.is_file()
+
+
+def test_llama_bench_built_again_without_amx_where_its_amx_kernels_stop(tmp_path, monkeypatch):
+    import signal
+
+    from benchmarks import llama_bench
+
+    binary = tmp_path / "build" / "bin" / "llama-bench"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    record = {"version": llama_bench.VERSION, "binary": str(binary), "source": "src", "build_s": 1.0}
+    (tmp_path / llama_bench.MARKER).write_text(json.dumps(record))
+    builds, runs = [], []
+
+    def run(command, **kwargs):  # the binary stops with SIGILL until built with NO_AMX
+        runs.append(command)
+        return subprocess.CompletedProcess(command, 0 if builds else -signal.SIGILL, "[]", "")
+
+    monkeypatch.setattr(llama_bench.subprocess, "run", run)
+    monkeypatch.setattr(llama_bench, "_build", lambda source, build, flags="": builds.append((source, flags)))
+    done = llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
+    assert builds == [(Path("src"), llama_bench.NO_AMX)] and done["amx"] == "off" and len(runs) == 2
+    assert json.loads((tmp_path / llama_bench.MARKER).read_text()) == done  # kept: not tried again
+    assert llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf") == done and len(builds) == 1
+    # a binary that still stops: said, not hidden
+    monkeypatch.setattr(
+        llama_bench.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 132, "", "")
+    )
+    with pytest.raises(RuntimeError, match="illegal instruction .* even without AMX"):
+        llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
+    # other failures are reported with their output
+    monkeypatch.setattr(
+        llama_bench.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1, "", "bad model")
+    )
+    with pytest.raises(RuntimeError, match="bad model"):
+        llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
 
 
 def test_ruler_keeps_each_finished_context_and_resumes_from_it(tiny_model_dir, tmp_path):
