@@ -85,14 +85,17 @@ def llama_cpp(lengths: list[int], steps: int) -> list[dict]:
             "2",
             "-o",
             "json",
+            "-fa",  # both: its default (auto) turns flash attention on, which is the slower one on some CPUs
+            "0,1",
             *args,
         ]
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         for r in json.loads(out):
+            row = {"system": "llama.cpp", "cache": f"flash attention {'on' if r['flash_attn'] else 'off'}"}
             if r["n_prompt"]:
-                rows.append({"system": "llama.cpp", "tokens": r["n_prompt"], "read_tok_s": round(r["avg_ts"], 1)})
+                rows.append({**row, "tokens": r["n_prompt"], "read_tok_s": round(r["avg_ts"], 1)})
             else:
-                rows.append({"system": "llama.cpp", "tokens": r["n_depth"], "decode_ms": round(1000 / r["avg_ts"], 1)})
+                rows.append({**row, "tokens": r["n_depth"], "decode_ms": round(1000 / r["avg_ts"], 1)})
     built = {"build_s": build["build_s"], "version": build["version"], "amx": build.get("amx", "as -march=native")}
     return [{**r, **built} for r in rows]
 
@@ -255,7 +258,9 @@ def table(rows: list[dict], lengths: list[int]) -> str:
         decode = [f"{r['decode_ms']}" + (f" ({r['floor_ms']})" if "floor_ms" in r else "") if r else "" for r in found]
         kls = [r["kl_to_fp32_full"] for r in found if r and "kl_to_fp32_full" in r]
         shares = [r["compress_share"] for r in found if r and "compress_share" in r]
-        name = "llama.cpp, Q4_1 GGUF" if key[0] == "llama.cpp" else f"ours, {key[1]} weights, {key[2]}"
+        name = f"ours, {key[1]} weights, {key[2]}"
+        if key[0] == "llama.cpp":  # key[2]: flash attention on or off (older runs: not recorded)
+            name = "llama.cpp, Q4_1 GGUF" + (f", {key[2]}" if key[2] else "")
         if any(r and r.get("amx") == "off" for r in found):
             name += " (built without AMX)"
         kl = f"{statistics.mean(kls):.4f}" if kls else ""
@@ -264,9 +269,11 @@ def table(rows: list[dict], lengths: list[int]) -> str:
     reads = {}
     for r in rows:
         if "read_tok_s" in r and (r["system"] == "llama.cpp" or r["cache"] == "full"):
-            reads.setdefault(r["system"] if r["system"] == "llama.cpp" else f"ours, {r['weights']} weights", {})[
-                r["tokens"]
-            ] = r["read_tok_s"]
+            if r["system"] == "llama.cpp":
+                name = "llama.cpp" + (f", {r['cache']}" if r.get("cache") else "")
+            else:
+                name = f"ours, {r['weights']} weights"
+            reads.setdefault(name, {})[r["tokens"]] = r["read_tok_s"]
     for name, speeds in reads.items():
         lines.append(f"| read tok/s: {name} | " + " | ".join(str(speeds.get(t, "")) for t in lengths) + " | | |")
     return "\n".join(lines)
@@ -325,9 +332,15 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    llama = sorted((r["tokens"], r["decode_ms"]) for r in rows if r["system"] == "llama.cpp" and "decode_ms" in r)
-    if llama:
-        ax.plot(*zip(*llama), color="black", linestyle="--", marker="s", label="llama.cpp (Q4_1)")
+    for setting in dict.fromkeys(r.get("cache") for r in rows if r["system"] == "llama.cpp" and "decode_ms" in r):
+        llama = sorted(
+            (r["tokens"], r["decode_ms"])
+            for r in rows
+            if r["system"] == "llama.cpp" and "decode_ms" in r and r.get("cache") == setting
+        )
+        style = "--" if setting != "flash attention on" else "-."
+        label = "llama.cpp (Q4_1)" + (f", {setting}" if setting else "")
+        ax.plot(*zip(*llama), color="black", linestyle=style, marker="s", label=label)
     for key in dict.fromkeys((r["weights"], r["cache"]) for r in rows if r["system"] == "ours"):
         points = sorted(
             (r["tokens"], r["decode_ms"]) for r in rows if r["system"] == "ours" and (r["weights"], r["cache"]) == key

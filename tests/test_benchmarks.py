@@ -159,8 +159,11 @@ def test_speed_tables_put_every_row_in_its_length_column():
     from benchmarks.speed import memory_table, table
 
     rows = [
-        {"system": "llama.cpp", "tokens": 2000, "decode_ms": 15.0},
-        {"system": "llama.cpp", "tokens": 2000, "read_tok_s": 240.0},
+        {"system": "llama.cpp", "cache": "flash attention off", "tokens": 2000, "decode_ms": 15.0},
+        {"system": "llama.cpp", "cache": "flash attention on", "tokens": 2000, "decode_ms": 16.0},
+        {"system": "llama.cpp", "cache": "flash attention off", "tokens": 2000, "read_tok_s": 240.0},
+        {"system": "llama.cpp", "cache": "flash attention on", "tokens": 2000, "read_tok_s": 250.0},
+        {"system": "llama.cpp", "tokens": 4000, "decode_ms": 20.0},  # a run before the setting was recorded
         {
             "system": "ours",
             "weights": "int4",
@@ -185,7 +188,10 @@ def test_speed_tables_put_every_row_in_its_length_column():
         },
     ]
     text = table(rows, [2000, 4000])
-    assert "| llama.cpp, Q4_1 GGUF | 15.0 |  |" in text
+    assert "| llama.cpp, Q4_1 GGUF, flash attention off | 15.0 |  |" in text
+    assert "| llama.cpp, Q4_1 GGUF, flash attention on | 16.0 |  |" in text
+    assert "| llama.cpp, Q4_1 GGUF |  | 20.0 |" in text
+    assert "| read tok/s: llama.cpp, flash attention on | 250.0 |  | | |" in text
     assert "| ours, int4 weights, SemantiCache 0.75 |  | 19.0 (4.6) | 0.0350 | 12% |" in text
     assert "| read tok/s: ours, int4 weights | 380.0 |  | | |" in text
     memory = memory_table(
