@@ -3,7 +3,9 @@
 (a) what a stock LangChain "stuff" chain does: the whole prompt (document + question) through
 ``model.generate`` from scratch, for every question; (b) a follow-up question answered from the
 document cache that :meth:`Engine.read` built once. Same model, prompt, greedy decoding and
-answer length for both.
+answer length for both. With weight-only formats (``--weights``) also the full cache with its rows in fp16
+(Kaizen with fp16 as its one option: every entry kept, half the bytes), which the decoding step reads in half
+the time.
 
     python -m benchmarks.followup_latency [--tokens 6000] [--repeats 3] [--weights int4]
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from semanticache_rag import Engine, NoCompression, SemantiCacheCompressor
+from semanticache_rag import Engine, KaizenCompressor, NoCompression, SemantiCacheCompressor
 from semanticache_rag.prompts import Turn
 
 RESULTS = Path(__file__).parent / "results"
@@ -96,6 +98,10 @@ def main() -> None:
         rows[f"cached_full_{weights}_weights"] = timed_followups(engine, full, args, [t for _, t in stock])
         rows[f"cached_semanticache_0.75_{weights}_weights"] = timed_followups(
             engine, engine.compress(prefill, SemantiCacheCompressor(0.75)), args, [t for _, t in stock]
+        )
+        fp16_rows = KaizenCompressor(compression_ratio=0.5, options=("fp16",))
+        rows[f"cached_full_fp16_rows_{weights}_weights"] = timed_followups(
+            engine, engine.compress(prefill, fp16_rows), args, [t for _, t in stock]
         )
     for row in rows.values():
         row["speedup_vs_stock"] = round(stock_s / row["followup_s"], 1)
