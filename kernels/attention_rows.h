@@ -20,7 +20,10 @@ constexpr int64_t ENTRIES_PER_PASS = 64;   // scores kept for one online-softmax
 // faster than no prefetch at all; spread out so, the kernel at 7K tokens (30 layers, 2 threads, the builds
 // alternating in one process) read 8-bit rows 14-28% faster and 4-bit 7-8% (32 rows ahead the same, 128 worse
 // for 8-bit), and the Kaizen 0.75 int4 step took 13.70 / 14.26 -> 12.15 / 11.80 ms at 7K tokens, 7.99 -> 7.50 ms
-// at 4K. 16-bit rows were 2-12% slower so and keep the burst (prefetch_ahead), as do rows decoded into a tile.
+// at 4K. 16-bit rows were 2-12% slower so on Zen 4 when these requests went into L1; into L2, on an Intel Xeon
+// with AVX-512 and AMX, they are 0.70-0.76x of the burst at 4K / 7K tokens (fp16 5.34 / 10.42 -> 3.76 / 7.67 ms,
+// bf16 5.43 / 10.80 -> 3.87 / 8.15; 2K 0.97x, in L1 1.00x) and are asked for so too (Zen 4 not measured again).
+// Rows decoded into a tile keep the burst (prefetch_ahead).
 // fp32 rows read where they are stored (Rows::streamed) are asked for so too, a line per vector read (the
 // first query head's scores and the values), into L2: on an Intel Xeon with AVX-512 and AMX (2 threads,
 // 30 layers, the builds alternating in one process) the kernel took 3.26 / 9.21 / 16.44 -> 2.62 / 8.01 / 14.62
@@ -256,9 +259,9 @@ struct Rows {
     return format == Format::fp16 || format == Format::bf16 || group_width % W == 0;
   }
 
-  // Whether the kernel asks for these rows row by row as it reads them (coded rows decoded in registers, or scored
-  // in integers), rather than a pass at a time with prefetch_ahead.
-  bool prefetched_by_row() const { return scales != nullptr && decoded_in_registers(); }
+  // Whether the kernel asks for these rows row by row as it reads them (16-bit or coded rows decoded in registers,
+  // or scored in integers), rather than a pass at a time with prefetch_ahead.
+  bool prefetched_by_row() const { return decoded_in_registers(); }
 
   // At the pass of rows from `start` (a task's rows [begin, end)), ask for the rows ~PREFETCH_BYTES ahead of
   // it (whole passes, 1 to 16): at the first pass, every pass up to there; then the pass that far ahead.
@@ -403,6 +406,7 @@ struct Decoded {
   inline __attribute__((always_inline)) vf operator()(int64_t j, int64_t c) const {
     const uint8_t* raw = first + j * row_stride;
     if constexpr (F == Format::fp16 || F == Format::bf16) {
+      prefetch_row_ahead<2 * W>(raw, row_stride, c);
       return sixteen_bits<F == Format::bf16>(raw, c);
     } else {
       prefetch_row_ahead<F == Format::int8 ? W : F == Format::int4 ? W / 2 : 3 * W / 8>(raw, row_stride, c);
