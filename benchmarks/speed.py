@@ -332,12 +332,9 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for setting in dict.fromkeys(r.get("cache") for r in rows if r["system"] == "llama.cpp" and "decode_ms" in r):
-        llama = sorted(
-            (r["tokens"], r["decode_ms"])
-            for r in rows
-            if r["system"] == "llama.cpp" and "decode_ms" in r and r.get("cache") == setting
-        )
+    llama_rows = [r for r in rows if r["system"] == "llama.cpp" and "decode_ms" in r]
+    for setting in dict.fromkeys(r.get("cache") for r in llama_rows):  # flash attention on / off (older: None)
+        llama = sorted((r["tokens"], r["decode_ms"]) for r in llama_rows if r.get("cache") == setting)
         style = "--" if setting != "flash attention on" else "-."
         label = "llama.cpp (Q4_1)" + (f", {setting}" if setting else "")
         ax.plot(*zip(*llama), color="black", linestyle=style, marker="s", label=label)

@@ -187,7 +187,7 @@ struct Rows {
   // Where the kernel asks for rows as it reads them: the factors of the rows PREFETCH_ROWS on from those at
   // `offset`, a line (32) at a time.
   void prefetch_factors(int64_t offset, int64_t count) const {
-    if (!prefetched_by_row()) return;
+    if (!decoded_in_registers()) return;  // coded rows whose codes are asked for as they are read
     const int64_t ahead = offset + PREFETCH_ROWS * scale_row_stride;
     for (int64_t at = 0; at < count * scale_row_stride; at += 32) {
       __builtin_prefetch(scales + ahead + at);
@@ -260,8 +260,8 @@ struct Rows {
   }
 
   // Whether the kernel asks for these rows row by row as it reads them (16-bit or coded rows decoded in registers,
-  // or scored in integers), rather than a pass at a time with prefetch_ahead.
-  bool prefetched_by_row() const { return decoded_in_registers(); }
+  // or scored in integers; fp32 rows read where they are stored), rather than a pass at a time with prefetch_ahead.
+  bool prefetched_by_row(int64_t dim) const { return decoded_in_registers() || streamed(dim); }
 
   // At the pass of rows from `start` (a task's rows [begin, end)), ask for the rows ~PREFETCH_BYTES ahead of
   // it (whole passes, 1 to 16): at the first pass, every pass up to there; then the pass that far ahead.

@@ -89,8 +89,8 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     for (int64_t c = 0; c < C; ++c) q[g][c] = load(query + g * D + W * c);
   for (int64_t start = begin; start < end; start += ENTRIES_PER_PASS) {
     const int64_t count = std::min(ENTRIES_PER_PASS, end - start), slices = (count + W - 1) / W;
-    if (!keys.prefetched_by_row() && !keys.streamed(D)) keys.prefetch_ahead(head, start, begin, end);
-    if (!values.prefetched_by_row() && !values.streamed(D)) values.prefetch_ahead(head, start, begin, end);
+    if (!keys.prefetched_by_row(D)) keys.prefetch_ahead(head, start, begin, end);
+    if (!values.prefetched_by_row(D)) values.prefetch_ahead(head, start, begin, end);
     // -- scores of the pass, W rows at a time (padding lanes -inf)
     if (integer) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
