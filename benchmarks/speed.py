@@ -4,11 +4,11 @@ For each context length: llama.cpp's prompt processing (tok/s, at depth 0) and t
 that depth (ms/token), with the model file we ship (Q4_1 GGUF) and ``llama-bench`` built by
 ``benchmarks/llama_bench.py``; then ours, per weight format (``--weights``: fp32 as converted, fp16
 through fbgemm's packed product, int8, int4 with the GGUF's own codes and llama.cpp's arithmetic, and
-int4-exact, the same codes in fp32 arithmetic), reading the same text once and,
-per cache (full, SemantiCache 0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time,
-decode ms/token (median of ``--steps`` steps after a question), the bytes a step reads (weights +
-document cache) over the machine's measured read bandwidth (the floor), and the KL divergence of the
-next-token distributions to the fp32 full cache's, teacher-forced on its greedy answer.
+int4-exact, the same codes in fp32 arithmetic), reading the same text once and, per cache (full, full with
+fp16 rows, SemantiCache 0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time, decode
+ms/token (median of ``--steps`` steps after a question), the bytes a step reads (weights + document cache)
+over the machine's measured read bandwidth (the floor), and the KL divergence of the next-token
+distributions to the fp32 full cache's, teacher-forced on its greedy answer.
 
     python -m benchmarks.speed [--lengths 2000 4000 7000] [--steps 32] [--no-llama-cpp] [--memory-only]
 
@@ -43,6 +43,7 @@ BANDWIDTH_EVERY = 8  # decode steps between two measurements of the read bandwid
 QUESTION = "What is the special magic number for the blue harbor mentioned in the document?"
 CACHES = (
     ("full", "none", None),
+    ("full, fp16 rows", "fp16", None),
     ("SemantiCache 0.5", "semanticache", 0.5),
     ("SemantiCache 0.75", "semanticache", 0.75),
     ("SemantiCache 0.9", "semanticache", 0.9),

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from semanticache_rag.compressors import (
         COMPRESSORS,
         Compressor,
+        HalfCompressor,
         KaizenCompressor,
         KaraCompressor,
         NoCompression,
@@ -41,6 +42,7 @@ _LAZY = {
         (
             "COMPRESSORS",
             "Compressor",
+            "HalfCompressor",
             "KaizenCompressor",
             "KaraCompressor",
             "NoCompression",
@@ -89,6 +91,7 @@ __all__ = [
     "DocumentStore",
     "Engine",
     "GenerationOptions",
+    "HalfCompressor",
     "KaraCompressor",
     "KaizenCompressor",
     "ModelLoadError",

@@ -266,7 +266,8 @@ def _add_common(
     p.add_argument(
         "--compression",
         default=compression,
-        help="none, auto (the best measured for --ratio), semanticache, kaizen, kaizen+semanticache, sekv, "
+        help="none, fp16 (every entry, half the bytes), auto (the best measured for --ratio), semanticache, kaizen, "
+        "kaizen+semanticache, sekv, "
         f"streaming_llm or kara (default: {compression or 'auto with --ratio, else none'})",
     )
     p.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 from pathlib import Path
 
@@ -523,9 +524,12 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     assert {scripted_step.rounds_query(layer) for layer in engine.model.model.layers} == {weights == "int4"}
     compressions = [("none", None, ()), ("semanticache", 0.75, ()), ("kaizen", 0.6, ("int4",))]
     compressions += [("kaizen", 0.5, ("int8",)), ("kaizen", 0.4, ("fp16",)), ("kaizen", 0.3, ("share",))]
+    compressions += [("fp16", None, ()), ("fp16 as bf16", None, ())]
     for compression, ratio, options in compressions:
         extra = {"options": options} if options else {}
-        cache = engine.compress(prefill, make_compressor(compression, ratio, **extra))
+        cache = engine.compress(prefill, make_compressor(compression.split()[0], ratio, **extra))
+        if compression == "fp16 as bf16":  # what the fp16 compressor stores where fp16 cannot hold a layer
+            cache = dataclasses.replace(cache, layers=tuple(_as_bf16(layer) for layer in cache.layers))
         python, _ = decode(cache, scripted=False)
         scripted, _ = decode(cache, scripted=True)
         native, kv = decode(cache, scripted=False, native=True)
@@ -541,6 +545,16 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     scripted, _ = decode(cache, scripted=True)
     native, kv = decode(cache, scripted=True, native=True)
     assert kv.step_document is False and "low_rank" in kv.step_inputs[1] and torch.equal(native, scripted)
+
+
+def _as_bf16(layer):
+    from semanticache_rag.kv import CodedLayerKV
+    from semanticache_rag.tensor_codes import HalfTensor
+
+    def code(half):
+        return HalfTensor(half.data.float().bfloat16(), half.dtype)
+
+    return CodedLayerKV(code(layer.key_code), code(layer.value_code), layer.sizes)
 
 
 def test_timed_native_steps_say_where_their_time_goes(tiny_llama, tiny_tokenizer):

@@ -1,6 +1,7 @@
 """KV-cache compressors: one file and one dataclass each, registered here."""
 
 from semanticache_rag.compressors.base import CompressionContext, Compressor, NoCompression
+from semanticache_rag.compressors.half import HalfCompressor
 from semanticache_rag.compressors.kaizen import DEFAULT_OPTIONS, KaizenCompressor
 from semanticache_rag.compressors.kara import KaraCompressor
 from semanticache_rag.compressors.sekv import SeKVCompressor
@@ -12,6 +13,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
     for cls in (
         NoCompression,
+        HalfCompressor,
         SemantiCacheCompressor,
         SeKVCompressor,
         StreamingLLMCompressor,
@@ -59,6 +61,7 @@ __all__ = [
     "CompressionContext",
     "KaraCompressor",
     "Compressor",
+    "HalfCompressor",
     "KaizenCompressor",
     "NoCompression",
     "SeKVCompressor",

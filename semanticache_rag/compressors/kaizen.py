@@ -49,7 +49,7 @@ DEFAULT_OPTIONS = ("fp16", "int8", "int4", "rank32", "rank16", "share")
 _OPTION = re.compile(r"fp16|int8|int4|int3|rank[1-9][0-9]*|share")
 TABLE_FORMAT = 1
 _PACKAGED_TABLES = Path(__file__).resolve().parent.parent / "data"
-_NO_INNER = ("kaizen", "sekv")  # sekv keeps per-question state beside its cache
+_NO_INNER = ("kaizen", "sekv", "fp16")  # sekv keeps per-question state beside its cache; fp16 codes its rows
 
 
 def option_nbytes(option: str, layer: LayerKV, group_size: int) -> int:
