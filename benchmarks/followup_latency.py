@@ -76,7 +76,7 @@ def main() -> None:
         "--weights", nargs="*", default=["int4"], help="weight formats to time as well (semanticache_rag.weights)"
     )
     args = parser.parse_args()
-    engine = Engine.from_pretrained()
+    engine = Engine.from_pretrained(weights="model")  # the stock pipeline's fp32 model, as loaded
     prefill = engine.prefill(real_document(engine.tokenizer, args.tokens), surprisal=True)
     full = engine.compress(prefill, NoCompression())
     stock = [

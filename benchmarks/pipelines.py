@@ -57,7 +57,7 @@ def _hf_pipeline_chain(pages, max_new_tokens: int):
 
     from semanticache_rag.models import load_model
 
-    model, tokenizer, name = load_model(None)
+    model, tokenizer, name = load_model(None, weights="model")  # what the stock pipelines load
     generate = pipeline(
         "text-generation",
         model=model,

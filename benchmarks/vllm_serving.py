@@ -69,7 +69,7 @@ def workspace(prefix: str) -> tuple[Path, DocumentStore, Engine, Path]:
     """A scratch folder with a store, the default model's engine on it, and that model saved for vLLM."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     store = DocumentStore(work / "store")
-    engine = Engine.from_pretrained(store=store)
+    engine = Engine.from_pretrained(store=store, weights="model")  # saved below for vLLM as loaded
     model_dir = work / "model"
     engine.model.save_pretrained(model_dir)
     engine.tokenizer.save_pretrained(model_dir)

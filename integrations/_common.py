@@ -69,7 +69,7 @@ def shared_runtime(
     compression: str,
     compression_ratio: float | None,
     store: bool | str = False,
-    weights: str = "model",
+    weights: str = "auto",
 ) -> Runtime:
     """The process-wide runtime for these settings, loading the model on first use.
 
@@ -128,8 +128,9 @@ class EngineSettings(BaseModel):
         default=None, description="Fraction of KV entries the compressor removes; None: its default."
     )
     weights: str = Field(
-        default="model",
-        description="Matrices as loaded ('model'), or 'bf16' / 'int8' / 'int4' weight-only ones: faster on CPUs.",
+        default="auto",
+        description="'auto' (int4-exact where the weights are Q4_1 values, as the default model's; else as "
+        "loaded), 'model' (as loaded), or 'bf16' / 'int8' / 'int4' / 'int4-exact' weight-only ones: faster on CPUs.",
     )
     store: bool | str = Field(
         default=False,

@@ -48,7 +48,8 @@ def _engine(args, compressor=None):
     layout = {"section_tokens": args.section_tokens, "max_sections": args.max_sections or None, "routing": args.routing}
     engine = Engine.from_pretrained(args.model, compressor=compressor, store=store, weights=args.weights, **layout)
     if not args.json:
-        how = "" if args.weights == "model" else f" ({args.weights} weights)"
+        done = getattr(engine.model, "semanticache_weights", "model")
+        how = "" if done == "model" else f" ({done} weights)"
         print(f"Loaded {engine.model_name}{how} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return engine
 
@@ -251,17 +252,17 @@ def _add_common(
     p: argparse.ArgumentParser,
     compression: str | None = None,
     ratio_default: str = "the compressor's own",
-    weights: str = "model",
+    weights: str = "auto",
 ) -> None:
     p.add_argument("--model", default=None, help="transformers model id or directory (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--weights",
         default=weights,
-        help="matrices as loaded (model), or fp16, bf16, int8 or int4 weight-only ones: 2-4x faster decoding on "
-        "CPUs, slightly different answers (fp16: the fastest on CPUs without AVX-512, answers closest to fp32; "
-        "int4 keeps the default model's GGUF codes and llama.cpp's arithmetic; int4-exact: the same codes in "
-        "fp32 arithmetic, the fp32 "
-        f"model's answers) (default: {weights})",
+        help="auto (int4-exact where the weights are Q4_1 values, as the default model's; else as loaded), model "
+        "(as loaded), or fp16, bf16, int8 or int4 weight-only ones: 2-4x faster decoding on CPUs, slightly "
+        "different answers (fp16: the fastest on CPUs without AVX-512, answers closest to fp32; int4 keeps the "
+        "default model's GGUF codes and llama.cpp's arithmetic; int4-exact: the same codes in fp32 arithmetic, "
+        f"the fp32 model's answers) (default: {weights})",
     )
     p.add_argument(
         "--compression",

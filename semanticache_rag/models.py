@@ -145,12 +145,14 @@ def _discard(target: Path) -> None:
 
 
 def load_model(
-    name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None, weights: str = "model"
+    name: str | os.PathLike[str] | None = None, device: str | None = None, dtype=None, weights: str = "auto"
 ):
     """Load ``(model, tokenizer, model_name)`` with the package's attention function registered.
 
     ``weights`` stores the matrices as loaded (``"model"``) or as ``"fp16"``, ``"bf16"``, ``"int8"``,
-    ``"int4"`` or ``"int4-exact"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`).
+    ``"int4"`` or ``"int4-exact"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`);
+    ``"auto"`` (the default) is ``"int4-exact"`` where the weights are Q4_1 values (the default model's), else
+    ``"model"``.
 
     Raises
     ------

@@ -38,6 +38,12 @@ attention stay in the model's dtype, only the weight products change:
     any other head stays as loaded): the fp32 model's arithmetic on the same weights, up to the order
     of the sums, at int4's memory.
 
+``"auto"``
+    ``"int4-exact"`` where that is the model's own arithmetic on its own weights (an fp32 model on the CPU
+    whose decoder matrices are all Q4_1 values exactly, as the default model's; the C++ kernels built),
+    else ``"model"``: :func:`~semanticache_rag.gguf_codes.auto_weights`. The default of
+    :meth:`~semanticache_rag.Engine.from_pretrained`, the command line and the adapters.
+
 Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,
 built on first use):
 
@@ -65,10 +71,10 @@ from torch import nn
 
 from semanticache_rag import huge_pages
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.gguf_codes import GROUP, auto_weights, group_codes, int8_codes, is_q8_0
 from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 
-WEIGHTS = ("model", "fp16", "bf16", "int8", "int4", "int4-exact")
-GROUP = 32  # GGUF's Q4_1 and Q8_0 block
+WEIGHTS = ("auto", "model", "fp16", "bf16", "int8", "int4", "int4-exact")
 COMPUTE_DTYPE = torch.bfloat16
 #: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
 #: (measured, 2 threads, with torch's int8/int4 kernels: those won up to 32 rows, the decoded weights from 64
@@ -138,19 +144,6 @@ class BF16Linear(_WeightOnlyLinear):
         return F.linear(x, self.weight)
 
 
-def _int8_codes(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes of ``weight`` (out, in) per group of ``group`` inputs, and their scales.
-
-    Returns codes (out, in / group, group) and fp32 scales (out, in / group), ``w ≈ code * scale``:
-    the scale is the group's largest magnitude over 127, as GGUF's Q8_0 quantises (0 for a zero group).
-    """
-    rows, columns = weight.shape
-    blocks = weight.detach().float().reshape(rows, columns // group, group)
-    scales = blocks.abs().amax(dim=-1) / 127
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8), scales
-
-
 class FP16Linear(_WeightOnlyLinear):
     """fp16 weights packed for fbgemm's fp32-by-fp16 product; inputs, sums and outputs in fp32."""
 
@@ -172,7 +165,7 @@ class Int8Linear(_WeightOnlyLinear):
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        codes, scales = _int8_codes(linear.weight, linear.in_features)
+        codes, scales = int8_codes(linear.weight, linear.in_features)
         self.register_buffer("codes", codes.flatten(1))
         self.register_buffer("scales", scales[:, 0].to(COMPUTE_DTYPE))
         self.many_rows = MANY_ROWS
@@ -186,22 +179,6 @@ class Int8Linear(_WeightOnlyLinear):
 
     def row_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.semanticache.int8_row_product(x, self.codes, self.scales)
-
-
-def group_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 codes of ``weight`` (out, in): ``(codes, scales, minimums)`` with ``w ≈ codes * scale + minimum``.
-
-    Per group of ``group`` inputs, the minimum is the group's smallest weight and the scale a
-    fifteenth of its range, as llama.cpp quantises Q4_1; on weights dequantised from Q4_1 that
-    finds the file's codes again (the group's smallest weight has code 0, its largest code 15).
-    """
-    rows, columns = weight.shape
-    blocks = weight.float().reshape(rows, columns // group, group)
-    low = blocks.amin(dim=-1, keepdim=True)
-    scale = (blocks.amax(dim=-1, keepdim=True) - low) / 15
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((blocks - low) / safe).clamp(0, 15)
-    return codes.reshape(rows, columns).to(torch.int32), scale.squeeze(-1), low.squeeze(-1)
 
 
 class Int4Linear(_WeightOnlyLinear):
@@ -274,9 +251,9 @@ class GroupedInt8Linear(_WeightOnlyLinear):
     changes the arithmetic (the inputs lose what their int8 rounding loses; the speed benchmark reports
     the answers' KL): the default model's decoding head took 1.8-2.1 ms a token on a 2-core AVX-512 CPU,
     against 3.1-3.8 through torch's int4 kernel on two 4-bit planes of each code. The codes are exact;
-    the scales are rounded to bf16. For the
-    default model's output head, a Q8_0 table in the GGUF, the codes found (:func:`_int8_codes`) are
-    the file's own. Rows go one at a time (the layer is a decoding head: one row a step).
+    the scales are rounded to bf16. For the default model's output head, a Q8_0 table in the GGUF, the codes
+    found (:func:`~semanticache_rag.gguf_codes.int8_codes`) are the file's own. Rows go one at a time (the
+    layer is a decoding head: one row a step).
     """
 
     codes: torch.Tensor
@@ -289,7 +266,7 @@ class GroupedInt8Linear(_WeightOnlyLinear):
             raise ValueError(
                 f"a Q8_0 layer takes outputs in 16s and inputs in {GROUP}s, got {tuple(linear.weight.shape)}"
             )
-        codes, scales = _int8_codes(linear.weight, GROUP)  # (out, in / GROUP, GROUP), (out, in / GROUP)
+        codes, scales = int8_codes(linear.weight, GROUP)  # (out, in / GROUP, GROUP), (out, in / GROUP)
         shifted = (codes.to(torch.int16) + 128).to(torch.uint8).view(-1, 16, self.in_features // 4, 4)
         self.register_buffer("codes", shifted.transpose(1, 2).contiguous())  # (out / 16, in / 4, 16, 4)
         grouped = scales.to(self.scale_dtype).view(-1, 16, scales.shape[1])
@@ -320,16 +297,6 @@ class ExactGroupedInt8Linear(GroupedInt8Linear):
         return torch.ops.semanticache.q8_0_product_fp32(x.float().contiguous(), self.codes, self.scales)
 
 
-def is_q8_0(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` (out, in) is made of Q8_0 values exactly: per group of :data:`GROUP` inputs, an
-    int8 code times the group's scale (as GGUF dequantises a Q8_0 table), the codes and scales that
-    :func:`_int8_codes` finds."""
-    if weight.shape[1] % GROUP:
-        return False
-    codes, scales = _int8_codes(weight, GROUP)
-    return torch.equal(codes.float() * scales[..., None], weight.detach().float().reshape(codes.shape))
-
-
 _LAYER_KINDS = {
     "fp16": FP16Linear,
     "bf16": BF16Linear,
@@ -356,7 +323,9 @@ def _tied_head(model, head) -> bool:
 def convert_weights(model: Any, weights: str) -> Any:
     """Swap ``model``'s linear layers for ``weights``-format ones, in place; return the model.
 
-    ``"model"`` leaves it as it is. The input embedding keeps its dtype (a lookup reads one row per
+    ``"model"`` leaves it as it is; ``"auto"`` is ``"int4-exact"`` where that is the model's own arithmetic
+    on its own weights (:func:`~semanticache_rag.gguf_codes.auto_weights`: the default model), else ``"model"``.
+    The input embedding keeps its dtype (a lookup reads one row per
     token), and so does any linear layer the int4 layout cannot take (an input size that is not a
     multiple of the group, an output size that is not a multiple of 16).
     The format is recorded as ``model.semanticache_weights`` (part of a stored cache's key). A
@@ -371,6 +340,11 @@ def convert_weights(model: Any, weights: str) -> Any:
     """
     check_weights(weights)
     done = getattr(model, "semanticache_weights", "model")
+    from semanticache_rag import fused
+
+    decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
+    if weights == "auto":
+        weights = "model" if done != "model" else auto_weights(model, decoder, cpu_ops.available)
     if weights == "model":
         return model
     if done != "model":
@@ -380,8 +354,6 @@ def convert_weights(model: Any, weights: str) -> Any:
         raise ConfigError(
             f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16"
         )
-    from semanticache_rag import fused
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
     tied = head is not None and _tied_head(model, head)
@@ -403,7 +375,6 @@ def convert_weights(model: Any, weights: str) -> Any:
             "int4-exact": ExactGroupedInt8Linear,
         }[weights]
         model.semanticache_reading_head = model.get_input_embeddings()
-    decoder = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)] if fused.supports(model) else []
     if decoder and all(_fits(weights, linear) for linear in decoder):
         fused.fuse_projections(model, _LAYER_KINDS[weights])
         model.semanticache_forward = fused.FusedLlama(model)

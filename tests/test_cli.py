@@ -122,7 +122,7 @@ def test_a_ratio_alone_picks_the_best_measured_compressor(monkeypatch):
     assert isinstance(named, SemantiCacheCompressor)
 
 
-def test_the_demo_decodes_with_int4_weights_and_other_commands_as_loaded(monkeypatch, capsys):
+def test_the_demo_decodes_with_int4_weights_and_other_commands_with_auto_weights(monkeypatch, capsys):
     from semanticache_rag import cli
     from semanticache_rag.engine import Engine
 
@@ -139,7 +139,7 @@ def test_the_demo_decodes_with_int4_weights_and_other_commands_as_loaded(monkeyp
         args = cli.build_parser().parse_args(argv)
         with pytest.raises(ZeroDivisionError):  # stopped where the engine would load
             cli._engine(args)
-    assert loaded == ["int4", "model", "model", "bf16"]
+    assert loaded == ["int4", "model", "auto", "bf16"]
     monkeypatch.undo()  # an unknown format is refused before any model loads
     assert cli.main(["ask", "x.pdf", "-q", "?", "--weights", "int3", "--no-store"]) != 0
     assert "weights must be one of" in capsys.readouterr().err

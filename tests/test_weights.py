@@ -13,6 +13,7 @@ from tests_support import needs_default_model
 
 from semanticache_rag import Engine, scripted_step
 from semanticache_rag.errors import ConfigError
+from semanticache_rag.gguf_codes import group_codes, int8_codes
 from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 from semanticache_rag.store_key import model_identity
 from semanticache_rag.weights import (
@@ -21,9 +22,7 @@ from semanticache_rag.weights import (
     GroupedInt8Linear,
     Int4Linear,
     Int8Linear,
-    _int8_codes,
     convert_weights,
-    group_codes,
 )
 
 
@@ -226,7 +225,7 @@ def test_q8_0_head_finds_its_codes_again_and_multiplies_by_them():
     linear = torch.nn.Linear(96, 48, bias=False)
     with torch.no_grad():
         linear.weight.copy_((codes * scales).reshape(48, 96))
-    found, found_scales = _int8_codes(linear.weight, 32)
+    found, found_scales = int8_codes(linear.weight, 32)
     assert torch.equal((found.float() * found_scales[..., None]).reshape(48, 96), linear.weight.detach())
     head = GroupedInt8Linear(linear)
     x = torch.randn(3, 96)
@@ -325,7 +324,7 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
     assert len(layers) == 4 * engine.model.config.num_hidden_layers  # q|k|v, o, gate|up, down
     from semanticache_rag.models import load_model
 
-    original, _, _ = load_model(None)
+    original, _, _ = load_model(None, weights="model")
     for name, module in original.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             weight = module.weight.detach()
@@ -334,7 +333,7 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
             assert torch.equal(rebuilt.flatten(1), weight), name
     assert isinstance(engine.model.lm_head, GroupedInt8Linear)  # the GGUF's Q8_0 table, tied to the embedding
     embedding = original.get_input_embeddings().weight.detach()
-    codes, scales = _int8_codes(embedding, 32)
+    codes, scales = int8_codes(embedding, 32)
     assert torch.equal((codes.float() * scales[..., None]).flatten(1), embedding)
     cache = engine.read("The vault code for the east wing is 4417. " + "Nothing else happened. " * 40, progress=False)
     question = "What is the vault code for the east wing?"
@@ -668,7 +667,8 @@ def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama,
     model's): int4-exact decodes the fp32 model's greedy tokens (the C++ step and the Q8_0 head in fp32
     included)."""
     from semanticache_rag import make_compressor
-    from semanticache_rag.weights import ExactGroupedInt8Linear, is_q8_0
+    from semanticache_rag.gguf_codes import is_q8_0
+    from semanticache_rag.weights import ExactGroupedInt8Linear
 
     model = copy.deepcopy(tiny_llama)
     with torch.no_grad():
