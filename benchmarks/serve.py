@@ -10,7 +10,8 @@ documents in turn:
   ``ChatOpenAI`` stuff chain sends), reused by the automatic prompt cache;
 - ``llama-cpp``: llama-cpp-python's OpenAI server on this package's own model file (the Q4_1 GGUF the
   default model is converted from), RAM prompt cache on, the same requests as ``ours-prompt``. It
-  runs in a venv of its own (llama-cpp-python is compiled there once, ~10 min on 2 cores).
+  runs in a venv of its own (llama-cpp-python is compiled there once, 4-10 min on 2 cores; again without AMX
+  where ggml's AMX kernels stop it: ``benchmarks/llama_bench.py``).
 
 Before the timed rounds each document is asked one question (its first read; reported apart).
 Reported per system and number of clients: answers/s, completion tokens/s, time to first token
@@ -37,12 +38,11 @@ from pathlib import Path
 import httpx
 
 from benchmarks.data import paul_graham_essays
+from benchmarks.llama_bench import ensure_llama_cpp_python
 from benchmarks.report import environment
-from benchmarks.venvs import ensure_venv
 
 RESULTS = Path(__file__).parent / "results" / "serve"
 SYSTEMS = ("ours-document", "ours-prompt", "llama-cpp")
-LLAMA_CPP = [["llama-cpp-python[server]==0.3.36"]]
 QUESTIONS = (
     "What is the main point of this text?",
     "Name one person the text mentions.",
@@ -107,7 +107,7 @@ class Process:
 def start(system: str, out: Path, gguf: Path | None) -> Process:
     port = free_port()
     if system == "llama-cpp":
-        python = ensure_venv("llama-cpp-venv", LLAMA_CPP)
+        python = ensure_llama_cpp_python(gguf)
         command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
         command += ["--n_ctx", "4096", "--n_threads", "2", "--n_threads_batch", "2", "--cache", "true"]
         # its server interrupts the answer under way when another request comes; queue them instead, as ours does

@@ -31,11 +31,12 @@ def venv_python(home: Path) -> Path:
     return home / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def _pip_install(python: Path, requirements: list[str]) -> None:
-    """``pip install`` into the venv of ``python``; raise RuntimeError with the output tail."""
+def _pip_install(python: Path, requirements: list[str], env: dict[str, str] | None = None) -> None:
+    """``pip install`` into the venv of ``python`` (``env`` added to the environment, e.g. ``CMAKE_ARGS`` for a
+    package built from source); raise RuntimeError with the output tail."""
     command = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements]
     logger.info("%s: pip install %s", python.parent.parent.name, " ".join(requirements))
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, env=os.environ | (env or {}))
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL_LINES:])
         raise RuntimeError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}):\n{tail}")
@@ -52,7 +53,7 @@ def _built(home: Path, record: dict) -> bool:
         return False
 
 
-def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None) -> Path:
+def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None, env: dict[str, str] | None = None) -> Path:
     """Build (once) the venv ``name`` by ``steps`` of ``pip install`` arguments; return its python.
 
     Parameters
@@ -62,6 +63,8 @@ def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None) -> 
     steps : list of list of str
         Requirements installed one step after another (e.g. CPU torch first, so a later step
         does not pull a CUDA build).
+    env : dict or None
+        Variables added to the environment of every step (recorded with the steps: other values build again).
 
     Raises
     ------
@@ -70,12 +73,12 @@ def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None) -> 
     """
     home = Path(home) if home is not None else home_dir() / name
     python = venv_python(home)
-    record = {"steps": steps}
+    record = {"steps": steps, **({"env": env} if env else {})}
     if _built(home, record):
         return python
     logger.info("building the %s venv at %s (minutes, once)", name, home)
     venv.EnvBuilder(with_pip=True, clear=True).create(home)
     for requirements in steps:
-        _pip_install(python, requirements)
+        _pip_install(python, requirements, env)
     (home / MARKER).write_text(json.dumps(record))
     return python

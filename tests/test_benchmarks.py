@@ -287,6 +287,42 @@ def test_llama_bench_built_again_without_amx_where_its_amx_kernels_stop(tmp_path
         llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
 
 
+def test_llama_cpp_python_compiled_again_without_amx_where_its_amx_kernels_stop(tmp_path, monkeypatch):
+    """benchmarks/serve.py's llama.cpp: tried on the model; where ggml's AMX product stops it (SIGSEGV at
+    ldtilecfg in the calling thread), a venv of its own compiled without AMX, pip's cache bypassed."""
+    import signal
+
+    from benchmarks import llama_bench
+
+    built = []
+
+    def ensure_venv(name, steps, env=None):
+        built.append((name, steps, env))
+        return tmp_path / name / "bin" / "python"
+
+    def run(command, **kwargs):  # the venv compiled with AMX stops; the other answers
+        return subprocess.CompletedProcess(command, -signal.SIGSEGV if "no-amx" not in command[0] else 0, "", "")
+
+    monkeypatch.setattr(llama_bench, "ensure_venv", ensure_venv)
+    monkeypatch.setattr(llama_bench.subprocess, "run", run)
+    python = llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
+    assert python == tmp_path / "llama-cpp-venv-no-amx" / "bin" / "python"
+    (name, steps, env), (again, again_steps, flags) = built
+    assert (name, steps, env) == ("llama-cpp-venv", [llama_bench.SERVER], None)
+    assert again == "llama-cpp-venv-no-amx" and again_steps == [["--no-cache-dir", *llama_bench.SERVER]]
+    assert flags["CMAKE_ARGS"].count(llama_bench.NO_AMX) == 2  # C and C++
+    built.clear()  # a venv that answers is used as it is
+    monkeypatch.setattr(llama_bench.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 0))
+    python = llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
+    assert python == tmp_path / "llama-cpp-venv" / "bin" / "python"
+    assert [name for name, _, _ in built] == ["llama-cpp-venv"]
+    monkeypatch.setattr(  # still stopping without AMX: said, not hidden
+        llama_bench.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, -signal.SIGSEGV)
+    )
+    with pytest.raises(RuntimeError, match="even compiled without AMX"):
+        llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
+
+
 def test_ruler_keeps_each_finished_context_and_resumes_from_it(tiny_model_dir, tmp_path):
     from benchmarks import ruler
     from semanticache_rag import Engine
