@@ -62,7 +62,7 @@ void input_sums(const float* x, int64_t rows, int64_t in_features, float* sums);
 void q4_1_blocks_fp32(const Q4Weights& w, const float* x, int64_t rows, const float* sums, float* out, int64_t first,
                       int64_t last);
 
-// kernels/int4_weights_cpu.cpp: x (rows, in) float32 times Q8_0 weights (codes in their layout, bf16
+// kernels/q8_0_weights_cpu.cpp: x (rows, in) float32 times Q8_0 weights (codes in their layout, bf16
 // scales), the rows quantised to Q8_0 too; q8_0_product_fp32: fp32 scales, the rows as they are
 at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);

@@ -44,8 +44,8 @@ attention stay in the model's dtype, only the weight products change:
     else ``"model"``: :func:`~semanticache_rag.gguf_codes.auto_weights`. The default of
     :meth:`~semanticache_rag.Engine.from_pretrained`, the command line and the adapters.
 
-Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,
-built on first use):
+Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``
+and ``kernels/q8_0_weights_cpu.cpp``, built on first use):
 
 - int4 layers and the Q8_0 head, fewer than :data:`MANY_ROWS` rows (decoding, a question's prompt):
   llama.cpp's arithmetic, each row quantised to Q8_0 and the code products summed as integers
@@ -169,7 +169,7 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("codes", codes.flatten(1))
         self.register_buffer("scales", scales[:, 0].to(COMPUTE_DTYPE))
         self.many_rows = MANY_ROWS
-        self.one_row = cpu_ops.available()  # one row in fp32 by kernels/int4_weights_cpu.cpp (else torch's kernel)
+        self.one_row = cpu_ops.available()  # one row in fp32 by kernels/q8_0_weights_cpu.cpp (else torch's kernel)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
@@ -247,7 +247,7 @@ class GroupedInt8Linear(_WeightOnlyLinear):
 
     The product is llama.cpp's: each input row is quantised to Q8_0 too (per group of 32, scale =
     largest magnitude / 127), so every group's sum is of integers, which AVX-512 VNNI takes 64 code
-    bytes at a time (``q8_0_product`` in ``kernels/int4_weights_cpu.cpp``; AVX2 in two steps). That
+    bytes at a time (``q8_0_product`` in ``kernels/q8_0_weights_cpu.cpp``; AVX2 in two steps). That
     changes the arithmetic (the inputs lose what their int8 rounding loses; the speed benchmark reports
     the answers' KL): the default model's decoding head took 1.8-2.1 ms a token on a 2-core AVX-512 CPU,
     against 3.1-3.8 through torch's int4 kernel on two 4-bit planes of each code. The codes are exact;

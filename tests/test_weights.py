@@ -170,9 +170,9 @@ def test_int4_without_the_cpu_kernels_multiplies_every_row_count_by_the_decoded_
 
 @pytest.mark.parametrize("kind", [Int4Linear, GroupedInt8Linear, Int8Linear])
 def test_one_row_is_multiplied_by_the_cpu_kernel(kind):
-    """Decoding's one row goes through kernels/int4_weights_cpu.cpp: int8 rows in fp32 (the decoded
-    weights' product to fp32 rounding); Q4_1 and Q8_0 as their few-row product (the row quantised to
-    Q8_0), within 2% of the full-precision product."""
+    """Decoding's one row goes through kernels/int4_weights_cpu.cpp (Q4_1) and kernels/q8_0_weights_cpu.cpp
+    (Q8_0, int8): int8 rows in fp32 (the decoded weights' product to fp32 rounding); Q4_1 and Q8_0 as their
+    few-row product (the row quantised to Q8_0), within 2% of the full-precision product."""
     linear, layer = _kernel_layer(kind, seed=3)
     assert layer.one_row
     x = torch.randn(1, 96)
