@@ -22,7 +22,7 @@ void rms_norm_row(const float* row, const float* weight, double eps, int64_t dim
 at::Tensor q4_1_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& minimums);
 
-// kernels/int4_weights_cpu.cpp: the same product in fp32 arithmetic, the rows unquantised
+// kernels/int4_exact_weights_cpu.cpp: the same product in fp32 arithmetic, the rows unquantised
 at::Tensor q4_1_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& minimums);
 

@@ -2,8 +2,9 @@
 
 Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`) has the signature of
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
-``unpack_q4_1``, ``q4_1_product``, ``q4_1_product_fp32`` (``int4_weights_cpu.cpp``), ``q8_0_product``,
-``q8_0_product_fp32`` and ``int8_row_product`` (``q8_0_weights_cpu.cpp``) those of :mod:`.int4_weights_ref`,
+``unpack_q4_1``, ``q4_1_product`` (``int4_weights_cpu.cpp``), ``q4_1_product_fp32``
+(``int4_exact_weights_cpu.cpp``), ``q8_0_product``, ``q8_0_product_fp32`` and ``int8_row_product``
+(``q8_0_weights_cpu.cpp``) those of :mod:`.int4_weights_ref`,
 ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm`` (``rms_norm_cpu.cpp``) that of
 :mod:`.rms_norm_ref`. The operators' schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
@@ -46,6 +47,7 @@ SOURCES = tuple(
     for name in (
         "decode_attention_cpu.cpp",
         "int4_weights_cpu.cpp",
+        "int4_exact_weights_cpu.cpp",
         "q8_0_weights_cpu.cpp",
         "gsc_cpu.cpp",
         "rms_norm_cpu.cpp",

@@ -6,7 +6,8 @@ group of 32 inputs, in a layout of their own, :func:`q4_1_layout`) and Q8_0 ones
 (:class:`~semanticache_rag.weights.GroupedInt8Linear`). Many rows (reading) multiply by the decoded
 Q4_1 weights instead (:func:`unpack_q4_1`). :class:`~semanticache_rag.weights.Int8Linear`'s one-row
 product (int8 codes, one scale per output) stays in fp32. :mod:`.cpu_ops` builds the C++ twins
-(``int4_weights_cpu.cpp``: Q4_1; ``q8_0_weights_cpu.cpp``: Q8_0 and int8).
+(``int4_weights_cpu.cpp``: Q4_1; ``int4_exact_weights_cpu.cpp``: Q4_1 in fp32 arithmetic;
+``q8_0_weights_cpu.cpp``: Q8_0 and int8).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 //   scales, the rows kept in fp32 (weights="int4-exact"'s head).
 // - int8_row_product: int8 codes with one scale per output row, one fp32 row (a dot product per row).
 //
-// The rows are quantised by quantise_rows (kernels/int4_weights_cpu.cpp, with the Q4_1 products); what both
-// files share: kernels/weights_cpu.h.
+// The rows are quantised by quantise_rows (kernels/int4_weights_cpu.cpp, with the Q4_1 product); what the
+// weights' files share: kernels/weights_cpu.h.
 //
 // Built with the other CPU kernels into one library by kernels/cpu_ops.py, which defines the schemas.
 

@@ -44,8 +44,8 @@ attention stay in the model's dtype, only the weight products change:
     else ``"model"``: :func:`~semanticache_rag.gguf_codes.auto_weights`. The default of
     :meth:`~semanticache_rag.Engine.from_pretrained`, the command line and the adapters.
 
-Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``
-and ``kernels/q8_0_weights_cpu.cpp``, built on first use):
+Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,
+``kernels/int4_exact_weights_cpu.cpp`` and ``kernels/q8_0_weights_cpu.cpp``, built on first use):
 
 - int4 layers and the Q8_0 head, fewer than :data:`MANY_ROWS` rows (decoding, a question's prompt):
   llama.cpp's arithmetic, each row quantised to Q8_0 and the code products summed as integers
