@@ -184,7 +184,7 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
     return rows
 
 
-MEMORY_CACHES = (("none", None), ("semanticache", 0.75), ("kaizen", 0.75), ("auto", 0.9))
+MEMORY_CACHES = (("none", None), ("fp16", None), ("semanticache", 0.75), ("kaizen", 0.75), ("auto", 0.9))
 
 
 def peak_read(compression: str, ratio: float | None, weights: str, tokens: int) -> dict:
