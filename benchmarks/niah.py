@@ -4,7 +4,7 @@ RULER's needle ("One of the special magic numbers for {key} is: {value}.") is pl
 depth of the haystack; the question is asked after the cache is compressed (question-agnostic).
 Each haystack is prefilled once and compressed by every method and ratio.
 
-    python -m benchmarks.niah [--lengths 2000 4000 7000] [--depths 10 50 90] [--samples 1]
+    python -m benchmarks.niah [--lengths 2000 4000 7000] [--depths 10 50 90] [--samples 1] [--weights auto] [--out DIR]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def methods(ratios):
 
 
 def run(args) -> list[dict]:
-    engine = Engine.from_pretrained()
+    engine = Engine.from_pretrained(weights=args.weights)
     rng, rows = random.Random(args.seed), []
     for tokens in args.lengths:
         for depth in args.depths:
@@ -88,15 +88,17 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights", default="auto", help="weight format (semanticache_rag.weights; default: auto)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     args = parser.parse_args()
     started = time.perf_counter()
     rows = run(args)
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "niah.jsonl", "w") as out:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "niah.jsonl", "w") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)
     table = markdown_table(rows, ["tokens"])
-    (RESULTS / "niah.md").write_text(f"# NIAH (score %, by haystack tokens)\n\n{table}\n\n{environment(started)}\n")
-    heatmap(rows, RESULTS / "niah.png")
+    (args.out / "niah.md").write_text(f"# NIAH (score %, by haystack tokens)\n\n{table}\n\n{environment(started)}\n")
+    heatmap(rows, args.out / "niah.png")
     print(table)
 
 
