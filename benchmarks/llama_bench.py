@@ -26,6 +26,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from benchmarks.venvs import MARKER as MARKER_VENV
 from benchmarks.venvs import ensure_venv
 from semanticache_rag.models import home_dir
 
@@ -59,13 +60,17 @@ def build_record(root: Path | None = None) -> dict | None:
 
 
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit, so -march=native does not turn them back on
+NO_AMX_VENV = "llama-cpp-venv-no-amx"
+NO_AMX_STEPS = [["--no-cache-dir", *SERVER]]  # --no-cache-dir: pip's cache would give back the wheel built with AMX
+NO_AMX_ENV = {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"}
 
 
 def ensure_llama_bench(root: Path | None = None, model: Path | None = None) -> dict:
     """Build ``llama-bench`` once (CPU, native instructions); return its build record.
 
-    ``model``: a GGUF to try the binary on (a 32-token prompt); where it stops with SIGILL, it is built
-    again without AMX (``"amx": "off"`` in the record, ``amx_s`` the second build's seconds).
+    ``model``: a GGUF to try the binary on (a 32-token prompt); where it stops as ggml's AMX kernels stop a
+    process (:data:`AMX_STOPS`, on a CPU with AMX), it is built again without AMX (``"amx": "off"`` in the
+    record, ``amx_s`` the second build's seconds).
 
     Raises
     ------
@@ -78,50 +83,60 @@ def ensure_llama_bench(root: Path | None = None, model: Path | None = None) -> d
     if record is None:
         record = _download_and_build(root)
     if model is not None and record.get("amx") != "off" and not _runs(record["binary"], model):
-        logger.info("llama-bench stopped with an illegal instruction in its AMX kernels; building it without AMX")
+        logger.info("llama-bench stopped in ggml's AMX kernels; building it without AMX")
         started = time.perf_counter()
         source = record.get("source") or next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
         _build(Path(source), root / "build", NO_AMX)
         record = {**record, "amx": "off", "amx_s": round(time.perf_counter() - started, 1)}
         (root / MARKER).write_text(json.dumps(record))
     if model is not None and not _runs(record["binary"], model):
-        raise RuntimeError(f"{record['binary']} stops with an illegal instruction on {model}, even without AMX")
+        raise RuntimeError(f"{record['binary']} stops (SIGILL or SIGSEGV) on {model}, even built without AMX")
     return record
 
 
 def _runs(binary: str, model: Path) -> bool:
-    """Whether ``binary`` processes a 32-token prompt of ``model`` without an illegal instruction."""
+    """Whether ``binary`` processes a 32-token prompt of ``model`` (``False``: stopped as by ggml's AMX kernels)."""
     command = [binary, "-m", str(model), "-t", "1", "-r", "1", "-p", "32", "-n", "0", "-o", "json"]
     return _completes(command)
 
 
 def _completes(command: list[str]) -> bool:
-    """Whether ``command`` finishes: ``False`` where a signal of :data:`AMX_STOPS` stops it; other failures raise."""
+    """Whether ``command`` finishes: ``False`` where a signal of :data:`AMX_STOPS` stops it on a CPU with AMX (where
+    a build without AMX may run); other failures raise with the output's tail."""
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode in [-s for s in AMX_STOPS] + [128 + s for s in AMX_STOPS]:
+    if proc.returncode == 0:
+        return True
+    tail = "\n".join(((proc.stdout or "") + (proc.stderr or "")).splitlines()[-20:])
+    if proc.returncode in [-s for s in AMX_STOPS] + [128 + s for s in AMX_STOPS] and _cpu_has_amx():
+        logger.info("%s stopped (exit %s):\n%s", command[0], proc.returncode, tail)
         return False
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-        raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}):\n{tail}")
-    return True
+    raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}):\n{tail}")
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def ensure_llama_cpp_python(model: Path) -> Path:
     """The interpreter of a venv with llama-cpp-python's server (compiled there once), tried on ``model`` (a
-    100-token prompt); where ggml's AMX kernels stop it, the same compiled without AMX in a venv of its own.
+    100-token prompt); where ggml's AMX kernels stop it, the same compiled without AMX in a venv of its own
+    (used directly from then on).
 
     Raises
     ------
     RuntimeError
         When an install fails, or the build without AMX stops too.
     """
+    if (home_dir() / NO_AMX_VENV / MARKER_VENV).is_file():  # built because the other stopped: not tried again
+        return ensure_venv(NO_AMX_VENV, NO_AMX_STEPS, env=NO_AMX_ENV)
     python = ensure_venv("llama-cpp-venv", [SERVER])
     if _answers(python, model):
         return python
     logger.info("llama-cpp-python stopped in ggml's AMX kernels; compiling it without AMX (minutes, once)")
-    flags = {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"}
-    # --no-cache-dir: pip's cache would give back the wheel compiled with AMX
-    python = ensure_venv("llama-cpp-venv-no-amx", [["--no-cache-dir", *SERVER]], env=flags)
+    python = ensure_venv(NO_AMX_VENV, NO_AMX_STEPS, env=NO_AMX_ENV)
     if not _answers(python, model):
         raise RuntimeError(f"llama-cpp-python stops on {model}, even compiled without AMX")
     return python

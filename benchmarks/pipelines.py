@@ -73,7 +73,10 @@ def _hf_pipeline_chain(pages, max_new_tokens: int):
 def _langchain_chain(pages, max_new_tokens: int, compression: str, ratio: float | None):
     from semanticache_rag.integrations.langchain import ChatSemantiCache
 
-    llm = ChatSemantiCache(max_new_tokens=max_new_tokens, compression=compression, compression_ratio=ratio)
+    # the stock pipelines' weights (fp32 as loaded), so that only reading once differs
+    llm = ChatSemantiCache(
+        max_new_tokens=max_new_tokens, compression=compression, compression_ratio=ratio, weights="model"
+    )
     llm.register_document(pages)
 
     def usage(message) -> dict:
@@ -89,7 +92,7 @@ def _llama_index_engine(pdf: Path, max_new_tokens: int):
     from semanticache_rag.integrations.llama_index import SemantiCacheLlamaLLM, SemantiCachePDFReader
 
     pages = SemantiCachePDFReader().load_data(pdf)
-    llm = SemantiCacheLlamaLLM(max_new_tokens=max_new_tokens)
+    llm = SemantiCacheLlamaLLM(max_new_tokens=max_new_tokens, weights="model")  # the stock pipelines' weights
     llm.register_document(pages)
     engine = SummaryIndex.from_documents(pages).as_query_engine(response_mode="compact", llm=llm)
 

@@ -357,7 +357,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 7000])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--weights", nargs="+", default=["model", "fp16", "int4"])
+    parser.add_argument("--weights", nargs="+", default=["model", "fp16", "int4", "int4-exact"])
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory of reads (longest length)")

@@ -21,8 +21,8 @@ TURNS = [
 
 
 def main() -> None:
-    # weights="int4-exact": the GGUF's own codes in fp32 arithmetic, the fp32 model's answers, 3-6x faster decoding
-    engine = Engine.from_pretrained(compressor=make_compressor("auto", compression_ratio=0.75), weights="int4-exact")
+    # the default weights ("auto"): the default model's GGUF codes in fp32 arithmetic, its fp32 answers, faster
+    engine = Engine.from_pretrained(compressor=make_compressor("auto", compression_ratio=0.75))
     with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
         cache = engine.read(pdf)
     print(

@@ -27,8 +27,8 @@ QUESTIONS = [
 def main() -> None:
     with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
         pages = SemantiCachePDFLoader(pdf).load()
-    # the model loads on first use; int4-exact: the fp32 model's answers, 3-6x faster decoding on a CPU
-    llm = ChatSemantiCache(max_new_tokens=48, weights="int4-exact")
+    # the model loads on first use, with the default weights ("auto": int4-exact for the default model)
+    llm = ChatSemantiCache(max_new_tokens=48)
     llm.register_document(pages)
 
     prompt = ChatPromptTemplate.from_messages(

@@ -37,8 +37,8 @@ class CacheUsage(BaseEventHandler):
 def main() -> None:
     with resources.as_file(resources.files("semanticache_rag") / "data" / "cyrguide.pdf") as pdf:
         pages = SemantiCachePDFReader().load_data(pdf)
-        # the model loads on first use; int4-exact: the fp32 model's answers, 3-6x faster decoding on a CPU
-        llm = SemantiCacheLlamaLLM(max_new_tokens=48, weights="int4-exact")
+        # the model loads on first use, with the default weights ("auto": int4-exact for the default model)
+        llm = SemantiCacheLlamaLLM(max_new_tokens=48)
         document_engine = DocumentQueryEngine(source=pdf, llm=llm)
 
     print("== SummaryIndex, compact response mode ==")

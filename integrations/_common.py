@@ -75,7 +75,7 @@ def shared_runtime(
 
     ``store``: ``False`` keeps document caches in memory only; ``True`` also on disk in the default
     store directory (as the command line does); a path: in that directory. ``weights``: the
-    matrices as loaded or weight-only (:mod:`semanticache_rag.weights`). Settings that differ
+    matrices: ``"auto"`` (the default), as loaded or weight-only (:mod:`semanticache_rag.weights`). Settings that differ
     only in compression or store share one loaded model; the last :data:`MAX_RUNTIMES` settings
     and :data:`MAX_MODELS` models are kept for reuse (an adapter keeps its own alive).
 
@@ -129,8 +129,9 @@ class EngineSettings(BaseModel):
     )
     weights: str = Field(
         default="auto",
-        description="'auto' (int4-exact where the weights are Q4_1 values, as the default model's; else as "
-        "loaded), 'model' (as loaded), or 'bf16' / 'int8' / 'int4' / 'int4-exact' weight-only ones: faster on CPUs.",
+        description="'auto' (int4-exact for a Llama model whose weights are Q4_1 values, as the default model's; "
+        "else as loaded), 'model' (as loaded), or 'fp16' / 'bf16' / 'int8' / 'int4' / 'int4-exact' weight-only ones: "
+        "faster on CPUs.",
     )
     store: bool | str = Field(
         default=False,

@@ -258,7 +258,8 @@ def _add_common(
     p.add_argument(
         "--weights",
         default=weights,
-        help="auto (int4-exact where the weights are Q4_1 values, as the default model's; else as loaded), model "
+        help="auto (int4-exact for a Llama model whose weights are Q4_1 values, as the default model's; else as "
+        "loaded), model "
         "(as loaded), or fp16, bf16, int8 or int4 weight-only ones: 2-4x faster decoding on CPUs, slightly "
         "different answers (fp16: the fastest on CPUs without AVX-512, answers closest to fp32; int4 keeps the "
         "default model's GGUF codes and llama.cpp's arithmetic; int4-exact: the same codes in fp32 arithmetic, "

@@ -151,7 +151,8 @@ def load_model(
 
     ``weights`` stores the matrices as loaded (``"model"``) or as ``"fp16"``, ``"bf16"``, ``"int8"``,
     ``"int4"`` or ``"int4-exact"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`);
-    ``"auto"`` (the default) is ``"int4-exact"`` where the weights are Q4_1 values (the default model's), else
+    ``"auto"`` (the default) is ``"int4-exact"`` for a Llama model whose weights are Q4_1 values (the default
+    model), else
     ``"model"``.
 
     Raises

@@ -39,8 +39,8 @@ attention stay in the model's dtype, only the weight products change:
     of the sums, at int4's memory.
 
 ``"auto"``
-    ``"int4-exact"`` where that is the model's own arithmetic on its own weights (an fp32 model on the CPU
-    whose decoder matrices are all Q4_1 values exactly, as the default model's; the C++ kernels built),
+    ``"int4-exact"`` where that is the model's own arithmetic on its own weights (an fp32 Llama model on the
+    CPU whose decoder matrices are all Q4_1 values exactly, as the default model's; the C++ kernels built),
     else ``"model"``: :func:`~semanticache_rag.gguf_codes.auto_weights`. The default of
     :meth:`~semanticache_rag.Engine.from_pretrained`, the command line and the adapters.
 

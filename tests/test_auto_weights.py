@@ -71,6 +71,24 @@ def test_auto_takes_int4_exact_where_the_weights_are_q4_1_values_with_the_same_a
     assert answers[0] == answers[1]
 
 
+def test_auto_keeps_as_loaded_a_model_q4_1_but_for_one_matrix_and_one_without_the_kernels(tiny_llama, monkeypatch):
+    partly = as_q4_1_model(tiny_llama)
+    with torch.no_grad():
+        partly.model.layers[1].mlp.down_proj.weight[3, 7] += 1e-3
+    assert convert_weights(partly, "auto") is partly and not hasattr(partly, "semanticache_weights")
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    q4 = as_q4_1_model(tiny_llama)
+    assert convert_weights(q4, "auto") is q4 and not hasattr(q4, "semanticache_weights")
+
+
+def test_auto_leaves_a_converted_model_as_it_is(tiny_llama):
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+    model = convert_weights(copy.deepcopy(tiny_llama), "int4")
+    layers = list(model.modules())
+    assert convert_weights(model, "auto").semanticache_weights == "int4" and list(model.modules()) == layers
+
+
 @pytest.mark.slow
 @needs_default_model
 def test_the_default_model_loads_with_int4_exact_weights():

@@ -268,6 +268,7 @@ def test_llama_bench_built_again_without_amx_where_its_amx_kernels_stop(tmp_path
         return subprocess.CompletedProcess(command, 0 if builds else -signal.SIGILL, "[]", "")
 
     monkeypatch.setattr(llama_bench.subprocess, "run", run)
+    monkeypatch.setattr(llama_bench, "_cpu_has_amx", lambda: True)
     monkeypatch.setattr(llama_bench, "_build", lambda source, build, flags="": builds.append((source, flags)))
     done = llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
     assert builds == [(Path("src"), llama_bench.NO_AMX)] and done["amx"] == "off" and len(runs) == 2
@@ -277,7 +278,7 @@ def test_llama_bench_built_again_without_amx_where_its_amx_kernels_stop(tmp_path
     monkeypatch.setattr(
         llama_bench.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 132, "", "")
     )
-    with pytest.raises(RuntimeError, match="illegal instruction .* even without AMX"):
+    with pytest.raises(RuntimeError, match="stops .SIGILL or SIGSEGV. on .* even built without AMX"):
         llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
     # other failures are reported with their output
     monkeypatch.setattr(
@@ -305,6 +306,8 @@ def test_llama_cpp_python_compiled_again_without_amx_where_its_amx_kernels_stop(
 
     monkeypatch.setattr(llama_bench, "ensure_venv", ensure_venv)
     monkeypatch.setattr(llama_bench.subprocess, "run", run)
+    monkeypatch.setattr(llama_bench, "_cpu_has_amx", lambda: True)
+    monkeypatch.setattr(llama_bench, "home_dir", lambda: tmp_path)
     python = llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
     assert python == tmp_path / "llama-cpp-venv-no-amx" / "bin" / "python"
     (name, steps, env), (again, again_steps, flags) = built
@@ -321,6 +324,20 @@ def test_llama_cpp_python_compiled_again_without_amx_where_its_amx_kernels_stop(
     )
     with pytest.raises(RuntimeError, match="even compiled without AMX"):
         llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
+    monkeypatch.setattr(llama_bench, "_cpu_has_amx", lambda: False)  # no AMX: a crash is a crash, with its output
+    monkeypatch.setattr(
+        llama_bench.subprocess, "run", lambda c, **kw: subprocess.CompletedProcess(c, -signal.SIGSEGV, "", "core")
+    )
+    with pytest.raises(RuntimeError, match=r"exit -11\):\ncore"):
+        llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
+    built.clear()  # once built without AMX, that venv is used without trying the other
+    (tmp_path / llama_bench.NO_AMX_VENV).mkdir()
+    (tmp_path / llama_bench.NO_AMX_VENV / llama_bench.MARKER_VENV).write_text("{}")
+    assert (
+        llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
+        == tmp_path / "llama-cpp-venv-no-amx" / "bin" / "python"
+    )
+    assert [name for name, _, _ in built] == ["llama-cpp-venv-no-amx"]
 
 
 def test_ruler_keeps_each_finished_context_and_resumes_from_it(tiny_model_dir, tmp_path):

@@ -3,8 +3,8 @@
 What llama.cpp keeps by default (``--cache-type-k f16``). No entry is merged or dropped, so the
 answers are the full cache's up to the rounding of each key and value to fp16 (11 significant bits);
 a decoding step reads half the cache's bytes, which on a CPU is most of a long document's step time
-with int4 weights (benchmarks/followup_latency.py). A layer whose keys or values exceed fp16's range
-is stored in bf16 instead (its range is fp32's); a cache that already has 16 bits is kept as it is.
+with int4 weights (benchmarks/followup_latency.py). A layer's keys or values with an element beyond fp16's range
+are stored in bf16 instead (its range is fp32's); a cache that already has 16 bits is kept as it is.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def half_code(x: torch.Tensor) -> HalfTensor:
 
 @dataclass(frozen=True)
 class HalfCompressor(Compressor):
-    """Keep every entry; store keys and values in 16 bits (fp16, bf16 for a layer out of fp16's range).
+    """Keep every entry; store keys and values in 16 bits (fp16; bf16 for a layer's keys or values beyond its range).
 
     Attributes
     ----------
@@ -44,8 +44,9 @@ class HalfCompressor(Compressor):
         if self.compression_ratio != 0:
             raise ConfigError(
                 f"fp16 keeps every entry in half the bytes; compression_ratio must be 0, got "
-                f"{self.compression_ratio!r} (for fewer entries in 16 bits: make_compressor("
-                "'kaizen+semanticache', ratio, options=('fp16',)))"
+                f"{self.compression_ratio!r}: omit --ratio / compression_ratio (for fewer entries as well: "
+                "--compression auto --ratio R, or make_compressor('kaizen+semanticache', R, options=('fp16',)) for "
+                "merged entries in 16 bits)"
             )
 
     def compress(self, keys, values, context: CompressionContext, plan):
