@@ -355,26 +355,7 @@ def convert_weights(model: Any, weights: str) -> Any:
             f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16"
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
-    tied = head is not None and _tied_head(model, head)
-    if weights.startswith("int4") and tied and not cpu_ops.available():
-        head_kind = None  # Q8_0's product is C++: without it the head stays the tied embedding table, as loaded
-    elif (
-        tied
-        and head is not None
-        and _fits(weights, head)
-        and (weights in ("fp16", "int8", "int4") or (weights == "int4-exact" and is_q8_0(head.weight)))
-    ):
-        # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes;
-        # int4-exact: the same codes in fp32 arithmetic, where they are the weights exactly); reading, which
-        # needs the logits of many positions (surprisal), multiplies by the tied embedding table
-        head_kind = {
-            "fp16": FP16Linear,
-            "int8": Int8Linear,
-            "int4": GroupedInt8Linear,
-            "int4-exact": ExactGroupedInt8Linear,
-        }[weights]
-        model.semanticache_reading_head = model.get_input_embeddings()
+    head_kind = _head_kind(model, head, weights)
     if decoder and all(_fits(weights, linear) for linear in decoder):
         fused.fuse_projections(model, _LAYER_KINDS[weights])
         model.semanticache_forward = fused.FusedLlama(model)
@@ -393,6 +374,32 @@ def convert_weights(model: Any, weights: str) -> Any:
     huge_pages.release_freed_memory()
     model.semanticache_weights = weights
     return model
+
+
+def _head_kind(model: Any, head: Any, weights: str) -> type[_WeightOnlyLinear] | None:
+    """What the output ``head`` becomes with ``weights`` (``None``: it stays as loaded). A head tied to the input
+    embedding gets one of its own for decoding where it can, and reading then multiplies by the embedding table
+    (``model.semanticache_reading_head``)."""
+    head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
+    tied = head is not None and _tied_head(model, head)
+    if weights.startswith("int4") and tied and not cpu_ops.available():
+        return None  # Q8_0's product is C++: without it the head stays the tied embedding table, as loaded
+    if (
+        tied
+        and _fits(weights, head)
+        and (weights in ("fp16", "int8", "int4") or (weights == "int4-exact" and is_q8_0(head.weight)))
+    ):
+        # a head of its own for decoding (int4: GGUF's Q8_0, fewer bytes and the default model's own codes;
+        # int4-exact: the same codes in fp32 arithmetic, where they are the weights exactly); reading, which
+        # needs the logits of many positions (surprisal), multiplies by the tied embedding table
+        head_kind = {
+            "fp16": FP16Linear,
+            "int8": Int8Linear,
+            "int4": GroupedInt8Linear,
+            "int4-exact": ExactGroupedInt8Linear,
+        }[weights]
+        model.semanticache_reading_head = model.get_input_embeddings()
+    return head_kind
 
 
 def _own_parameters(model: nn.Module) -> None:

@@ -95,8 +95,9 @@ def test_ray_serve_replicas_answer_from_the_shared_store_with_document_affinity(
         for attempt in range(6):
             if attempt == 1:  # the replica reports the document it registered; the proxy learns it asynchronously
                 time.sleep(2)
+            # a replica's first answer may build the CPU kernels (~1-2 min on 2 busy cores): a generous timeout
             response = httpx.post(
-                f"{url}/v1/chat/completions", json=body, headers={AFFINITY_HEADER: doc_id}, timeout=60
+                f"{url}/v1/chat/completions", json=body, headers={AFFINITY_HEADER: doc_id}, timeout=240
             )
             assert response.status_code == 200, response.text
             reply = response.json()
