@@ -61,6 +61,7 @@ MAX_RUNTIMES = 8  # settings combinations
 MAX_MODELS = 2  # loaded models (each settings combination of the same model shares one)
 _RUNTIMES: OrderedDict[tuple, Runtime] = OrderedDict()
 _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (model, weights) -> (model, tokenizer, name)
+_AUTO: dict[str | None, str] = {}  # model -> the format weights="auto" gave it (one load for "auto" and that format)
 _RUNTIMES_LOCK = threading.Lock()
 
 
@@ -99,9 +100,13 @@ def shared_runtime(
         from semanticache_rag.store import DocumentStore
 
         compressor = make_compressor(compression, compression_ratio)
-        loaded = (model, weights)
+        loaded = (model, _AUTO.get(model, weights) if weights == "auto" else weights)
         if loaded not in _MODELS:
-            _MODELS[loaded] = load_model(model, weights=weights)
+            result = load_model(model, weights=weights)
+            if weights == "auto":
+                _AUTO[model] = getattr(result[0], "semanticache_weights", "model")
+                loaded = (model, _AUTO[model])
+            _MODELS[loaded] = result
         _MODELS.move_to_end(loaded)
         hf_model, tokenizer, name = _MODELS[loaded]
         disk = None if store is False else DocumentStore(None if store is True else store)

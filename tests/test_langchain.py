@@ -358,9 +358,10 @@ def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, mon
 
     monkeypatch.setattr(_common, "_RUNTIMES", _common.OrderedDict())
     monkeypatch.setattr(_common, "_MODELS", _common.OrderedDict())
+    monkeypatch.setattr(_common, "_AUTO", {})
     loads, real = [], models.load_model
     monkeypatch.setattr(
-        models, "load_model", lambda name, weights="model": loads.append(name) or real(name, weights=weights)
+        models, "load_model", lambda name, weights="auto": loads.append(name) or real(name, weights=weights)
     )
     plain = ChatSemantiCache(model=str(tiny_model_dir)).engine
     squeezed = ChatSemantiCache(model=str(tiny_model_dir), compression="semanticache", compression_ratio=0.5).engine
@@ -377,6 +378,8 @@ def test_settings_that_differ_in_compression_share_one_model(tiny_model_dir, mon
     quick = ChatSemantiCache(model=str(tiny_model_dir), weights="int8").engine
     assert quick.model is not plain.model and quick.model.semanticache_weights == "int8" and len(loads) == 2
     assert ChatSemantiCache.from_engine(quick).weights == "int8"
+    # "auto" kept the tiny model as loaded: asking for that format shares the same model
+    assert ChatSemantiCache(model=str(tiny_model_dir), weights="model").engine.model is plain.model and len(loads) == 2
 
 
 def test_a_repeated_system_message_is_read_from_the_cache_without_registration(chat):
