@@ -26,8 +26,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from benchmarks.venvs import MARKER as MARKER_VENV
-from benchmarks.venvs import ensure_venv
+from benchmarks.venvs import ensure_venv, venv_built
 from semanticache_rag.models import home_dir
 
 logger = logging.getLogger(__name__)
@@ -82,16 +81,18 @@ def ensure_llama_bench(root: Path | None = None, model: Path | None = None) -> d
     record = build_record(root)
     if record is None:
         record = _download_and_build(root)
-    if model is not None and record.get("amx") != "off" and not _runs(record["binary"], model):
+    if model is None or _runs(record["binary"], model):
+        return record
+    if record.get("amx") != "off":
         logger.info("llama-bench stopped in ggml's AMX kernels; building it without AMX")
         started = time.perf_counter()
         source = record.get("source") or next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
         _build(Path(source), root / "build", NO_AMX)
         record = {**record, "amx": "off", "amx_s": round(time.perf_counter() - started, 1)}
         (root / MARKER).write_text(json.dumps(record))
-    if model is not None and not _runs(record["binary"], model):
-        raise RuntimeError(f"{record['binary']} stops (SIGILL or SIGSEGV) on {model}, even built without AMX")
-    return record
+        if _runs(record["binary"], model):
+            return record
+    raise RuntimeError(f"{record['binary']} stops (SIGILL or SIGSEGV) on {model}, even built without AMX")
 
 
 def _runs(binary: str, model: Path) -> bool:
@@ -130,7 +131,7 @@ def ensure_llama_cpp_python(model: Path) -> Path:
     RuntimeError
         When an install fails, or the build without AMX stops too.
     """
-    if (home_dir() / NO_AMX_VENV / MARKER_VENV).is_file():  # built because the other stopped: not tried again
+    if venv_built(NO_AMX_VENV, NO_AMX_STEPS, env=NO_AMX_ENV):  # built because the other stopped: not tried again
         return ensure_venv(NO_AMX_VENV, NO_AMX_STEPS, env=NO_AMX_ENV)
     python = ensure_venv("llama-cpp-venv", [SERVER])
     if _answers(python, model):

@@ -42,6 +42,11 @@ def _pip_install(python: Path, requirements: list[str], env: dict[str, str] | No
         raise RuntimeError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}):\n{tail}")
 
 
+def _record(steps: list[list[str]], env: dict[str, str] | None) -> dict:
+    """What the marker of a finished build records."""
+    return {"steps": steps, **({"env": env} if env else {})}
+
+
 def _built(home: Path, record: dict) -> bool:
     """True when a previous build of ``home`` finished the same steps."""
     marker = home / MARKER
@@ -51,6 +56,11 @@ def _built(home: Path, record: dict) -> bool:
         return json.loads(marker.read_text()) == record
     except (OSError, ValueError):
         return False
+
+
+def venv_built(name: str, steps: list[list[str]], home: Path | None = None, env: dict[str, str] | None = None) -> bool:
+    """Whether :func:`ensure_venv` with these arguments would find the venv built (and build nothing)."""
+    return _built(Path(home) if home is not None else home_dir() / name, _record(steps, env))
 
 
 def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None, env: dict[str, str] | None = None) -> Path:
@@ -73,7 +83,7 @@ def ensure_venv(name: str, steps: list[list[str]], home: Path | None = None, env
     """
     home = Path(home) if home is not None else home_dir() / name
     python = venv_python(home)
-    record = {"steps": steps, **({"env": env} if env else {})}
+    record = _record(steps, env)
     if _built(home, record):
         return python
     logger.info("building the %s venv at %s (minutes, once)", name, home)

@@ -288,6 +288,20 @@ def test_llama_bench_built_again_without_amx_where_its_amx_kernels_stop(tmp_path
         llama_bench.ensure_llama_bench(tmp_path, model=tmp_path / "model.gguf")
 
 
+def test_a_venv_counts_as_built_only_for_the_same_steps_and_environment(tmp_path):
+    from benchmarks import venvs
+
+    home = tmp_path / "tool-venv"
+    venvs.venv_python(home).parent.mkdir(parents=True)
+    venvs.venv_python(home).write_text("")
+    steps, env = [["tool==1.0"]], {"CMAKE_ARGS": "-DX=1"}
+    assert not venvs.venv_built("tool-venv", steps, home=home, env=env)  # no marker: half built
+    (home / venvs.MARKER).write_text(json.dumps({"steps": steps, "env": env}))
+    assert venvs.venv_built("tool-venv", steps, home=home, env=env)
+    assert not venvs.venv_built("tool-venv", steps, home=home)  # built with another environment
+    assert not venvs.venv_built("tool-venv", [["tool==2.0"]], home=home, env=env)
+
+
 def test_llama_cpp_python_compiled_again_without_amx_where_its_amx_kernels_stop(tmp_path, monkeypatch):
     """benchmarks/serve.py's llama.cpp: tried on the model; where ggml's AMX product stops it (SIGSEGV at
     ldtilecfg in the calling thread), a venv of its own compiled without AMX, pip's cache bypassed."""
@@ -307,7 +321,7 @@ def test_llama_cpp_python_compiled_again_without_amx_where_its_amx_kernels_stop(
     monkeypatch.setattr(llama_bench, "ensure_venv", ensure_venv)
     monkeypatch.setattr(llama_bench.subprocess, "run", run)
     monkeypatch.setattr(llama_bench, "_cpu_has_amx", lambda: True)
-    monkeypatch.setattr(llama_bench, "home_dir", lambda: tmp_path)
+    monkeypatch.setattr(llama_bench, "venv_built", lambda name, steps, env=None: False)  # none built yet
     python = llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
     assert python == tmp_path / "llama-cpp-venv-no-amx" / "bin" / "python"
     (name, steps, env), (again, again_steps, flags) = built
@@ -331,8 +345,7 @@ def test_llama_cpp_python_compiled_again_without_amx_where_its_amx_kernels_stop(
     with pytest.raises(RuntimeError, match=r"exit -11\):\ncore"):
         llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
     built.clear()  # once built without AMX, that venv is used without trying the other
-    (tmp_path / llama_bench.NO_AMX_VENV).mkdir()
-    (tmp_path / llama_bench.NO_AMX_VENV / llama_bench.MARKER_VENV).write_text("{}")
+    monkeypatch.setattr(llama_bench, "venv_built", lambda name, steps, env=None: name == llama_bench.NO_AMX_VENV)
     assert (
         llama_bench.ensure_llama_cpp_python(tmp_path / "model.gguf")
         == tmp_path / "llama-cpp-venv-no-amx" / "bin" / "python"
