@@ -60,7 +60,8 @@ struct Partial {
 // otherwise (fp32 rows, AVX2) a tile of rows is read (or decoded first) and scored one query head at a
 // time. Storing a decoded tile and loading it again for each head made 8-bit rows ~1.4x slower (4K tokens,
 // 30 layers: 6.1 -> 4.4 ms); fp32 rows keep the tile loop, which the decoded one slowed by ~10%.
-// Q8: coded keys meet the query rounded to Q8_0 (attention_q8.h), in integers where they can.
+// Q8: coded keys meet the query rounded to Q8_0 (attention_q8.h), in integers where they can; otherwise coded
+// keys are scored in integers where they can, the query split into pieces that keep it as it is.
 template <int64_t D, bool DECODED>
 void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows& values, const float* bias,
                  int64_t head, int64_t begin, int64_t end, Partial partial, bool q8) {
@@ -76,10 +77,12 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
   }
   RoundedQuery<D> rounded;
   const bool rounds = q8 && keys.scales != nullptr;  // coded keys only
-  const bool integer = rounds && integer_scored(keys, D);
+  const bool integer = keys.scales != nullptr && integer_scored(keys, D);
   if (rounds) {
     rounded.round(query, group, keys.group_width);
     query = rounded.rounded;
+  } else if (integer) {  // the query as it is, in pieces of integers
+    rounded.split(query, group, keys.group_width);
   }
   const bool weighs = q8 && integer_weighted(values, D);  // coded values in integers (attention_values_int.h)
   IntegerValues<D> integer_values(values, weighs ? group : 0);

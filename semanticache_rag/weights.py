@@ -36,7 +36,9 @@ attention stay in the model's dtype, only the weight products change:
     (:class:`ExactInt4Linear`), and a tied head whose weights are Q8_0 values exactly (the default
     model's) as its Q8_0 codes with fp32 scales, the rows in fp32 too (:class:`ExactGroupedInt8Linear`;
     any other head stays as loaded): the fp32 model's arithmetic on the same weights, up to the order
-    of the sums, at int4's memory.
+    of the sums, at int4's memory. Kaizen's 8/4-bit keys meet the query as it is: in integers where the CPU
+    has AVX-512 VNNI, the query split into 3 pieces of 8-bit codes that keep it to fp32's precision
+    (``kernels/attention_q8.h``), as with fp32 weights.
 
 ``"auto"``
     ``"int4-exact"`` where that is the model's own arithmetic on its own weights (an fp32 Llama model on the

@@ -105,18 +105,51 @@ def test_kernel_on_an_empty_document_is_attention_over_the_appended_tokens(kerne
     torch.testing.assert_close(kernel(*args), probs @ args[11], rtol=1e-5, atol=1e-6)
 
 
+def _keys_scored_in_integers(storage: str, dim: int) -> bool:
+    """Whether the library scores ``storage`` keys of ``dim`` channels (groups of 32) in integers, the query split
+    into pieces (q8_query off) or rounded (on): 8-bit or paired 4-bit codes, D a multiple of 64, with VNNI."""
+    return storage in ("int8", "int4") and dim % 64 == 0 and "avx512_vnni" in cpu_ops._cpu_identity().split()
+
+
 @pytest.mark.parametrize("storage", ["fp16", "bf16", "int8", "int3"])
 @pytest.mark.parametrize("dim,group", [(64, 3), (128, 4), (16, 1), (64, 8)])
 def test_coded_rows_attend_bit_for_bit_as_the_same_rows_in_fp32(kernel, storage, dim, group):
     """Rows are decoded with the twin's roundings (codes x scale + minimum, 16-bit floats widened), where
     they are used (AVX-512: a vector at a time, for up to 3 query heads) or into a tile first, and then
     attended with the fp32 rows' arithmetic: the same result, bit for bit, as the decoded rows given as fp32.
-    (4-bit rows in paired channel order sum their channels in another order: within rounding, tested above.)"""
+    (4-bit rows in paired channel order sum their channels in another order: within rounding, tested above.
+    Keys scored in integers are too, tested below: there the values alone are compared.)"""
     args = list(inputs(3, group, dim, 1030, 9, storage, storage))
     keys = decode_attention_ref.decoded(*args[1:5], dim)
     values = decode_attention_ref.decoded(*args[5:9], dim)
-    plain = [args[0], keys, None, None, 32, values, None, None, 32, *args[9:]]
+    plain_keys = args[1:5] if _keys_scored_in_integers(storage, dim) else [keys, None, None, 32]
+    plain = [args[0], *plain_keys, values, None, None, 32, *args[9:]]
     assert torch.equal(kernel(*args), kernel(*plain))
+
+
+@pytest.mark.parametrize(
+    "key_storage,dim,group,group_size,seed",
+    [  # seeds on which the float path over the decoded keys meets the house rule too (it did not on every one)
+     ("int8", 64, 3, 32, 0), ("int4", 64, 3, 32, 1), ("int8", 128, 4, 64, 2), ("int4", 256, 2, 32, 4),
+     ("int8", 64, 8, 32, 4), ("int4", 64, 5, 64, 5)],
+)  # fmt: skip
+def test_coded_keys_in_integers_keep_the_query_as_it_is(kernel, key_storage, dim, group, group_size, seed):
+    """With q8_query off (fp32 or int4-exact weights), coded keys are still scored in integers where the CPU has
+    VNNI: the query split into 3 pieces of 8-bit codes (each what the ones before left, rounded to Q8_0: within
+    2^-24 of its block's largest magnitude), codes centred. As close to the fp64 attention as the twin is, on
+    queries whose channels span four orders of magnitude too; and not the result of the rounded query."""
+    args = list(inputs(3, group, dim, 700, 5, key_storage, "fp32", group_size=group_size, seed=seed))
+    assert_as_close_as_the_twin(args, kernel)
+    g = torch.Generator().manual_seed(seed)
+    args[0] = args[0] * torch.pow(10.0, torch.empty(args[0].shape).uniform_(-3, 1, generator=g))
+    assert_as_close_as_the_twin(args, kernel)
+    keys = decode_attention_ref.decoded(*args[1:5], dim)
+    float_path = kernel(args[0], keys, None, None, 32, *args[5:])
+    got = kernel(*args)
+    assert float((got - float_path).abs().max()) <= 1e-5 * float(float_path.abs().max())
+    assert float((got - kernel(*args, True)).abs().max()) > 1e-4  # the rounded query's result is another
+    if _keys_scored_in_integers(key_storage, dim):
+        assert not torch.equal(got, float_path)  # the integer path, not the float one
 
 
 def test_duplicated_entries_attend_as_one_entry_with_log_size(kernel):
