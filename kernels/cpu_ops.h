@@ -59,8 +59,28 @@ void quantise_rows(const float* x, int64_t rows, int64_t in_features, QuantisedR
 void q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64_t rows, float* out, int64_t first, int64_t last);
 
 void input_sums(const float* x, int64_t rows, int64_t in_features, float* sums);  // (rows, in / 32)
+
+// Rows as the int4-exact product takes them in integers (AVX-512 VNNI): per group of 32 inputs, ROW_PIECES pieces
+// of Q8_0 codes whose sum is the group to fp32's precision (each piece what the ones before left, rounded to Q8_0:
+// within 2^-24 of the group's largest magnitude), codes (rows, ROW_PIECES, in), scales (rows, groups, ROW_PIECES),
+// and the sums of the fp32 inputs (rows, groups: input_sums).
+constexpr int64_t ROW_PIECES = 3;
+struct SplitRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+};
+// Whether q4_1_blocks_fp32 takes split rows here (the library built with AVX-512 VNNI)
+constexpr bool splits_rows() {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+void split_rows(const float* x, int64_t rows, int64_t in_features, SplitRows& q);  // q resized, reused
+// `split`: x split (split_rows), for the integer sums where splits_rows(); otherwise nullptr (fp32 sums)
 void q4_1_blocks_fp32(const Q4Weights& w, const float* x, int64_t rows, const float* sums, float* out, int64_t first,
-                      int64_t last);
+                      int64_t last, const SplitRows* split = nullptr);
 
 // kernels/q8_0_weights_cpu.cpp: x (rows, in) float32 times Q8_0 weights (codes in their layout, bf16
 // scales), the rows quantised to Q8_0 too; q8_0_product_fp32: fp32 scales, the rows as they are

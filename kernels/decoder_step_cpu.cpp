@@ -353,6 +353,7 @@ struct Int4Layers : torch::CustomClassHolder {
     const bool first;  // thread 0: writes what only one thread may (the cache rows, the result)
     std::vector<float> residual, normed, query, attended, sums, activated;
     semanticache::QuantisedRows codes;
+    semanticache::SplitRows split;  // the rows of fp32 products where they are split (splits_rows)
 
     Worker(const Int4Layers& model_, int64_t hidden_, int64_t widest, const float* x)
         : model(model_), thread(omp_get_thread_num()), threads(omp_get_num_threads()), hidden(hidden_),
@@ -369,7 +370,9 @@ struct Int4Layers : torch::CustomClassHolder {
 
     // this thread's share of the output blocks of row (in,) times w, each as q4_1_product(_fp32) computes it
     void product(const semanticache::Q4Weights& w, const float* row, int64_t in, float* out) {
-      if (model.fp32_rows) {
+      if (model.fp32_rows && semanticache::splits_rows()) {
+        semanticache::split_rows(row, 1, in, split);
+      } else if (model.fp32_rows) {
         semanticache::input_sums(row, 1, in, sums.data());
       } else {
         semanticache::quantise_rows(row, 1, in, codes);
@@ -378,7 +381,11 @@ struct Int4Layers : torch::CustomClassHolder {
       const int64_t end = std::min(w.blocks, begin + share);
       if (begin >= end) return;
       if (model.fp32_rows) {
-        semanticache::q4_1_blocks_fp32(w, row, 1, sums.data(), out, begin, end);
+        if (semanticache::splits_rows()) {
+          semanticache::q4_1_blocks_fp32(w, row, 1, split.sums.data(), out, begin, end, &split);
+        } else {
+          semanticache::q4_1_blocks_fp32(w, row, 1, sums.data(), out, begin, end);
+        }
       } else {
         semanticache::q4_1_blocks(w, codes, 1, out, begin, end);
       }
