@@ -31,6 +31,7 @@
 //
 // Built with the other CPU kernels into one library by kernels/cpu_ops.py.
 
+#include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
@@ -47,6 +48,12 @@
 #include "cpu_ops.h"
 
 #include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// SLEEF's exp of 16 floats (1-ulp accuracy), as ATen's AVX-512 kernels call it; exported by libtorch_cpu.
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);
+#endif
 
 #include <algorithm>
 #include <array>
@@ -413,14 +420,29 @@ struct Int4Layers : torch::CustomClassHolder {
     }
   };
 
-  // activated = SiLU(gate) * up for gate_up = [gate, up] (inner each): ATen's own SiLU kernel (the other
-  // steps' rounding), called by each thread inside the step's region (it then runs on that thread alone).
+  // activated = SiLU(gate) * up for gate_up = [gate, up] (inner each): ATen's own SiLU (the other steps'
+  // rounding), called by each thread inside the step's region (it then runs on that thread alone). Where ATen
+  // runs its AVX-512 kernels and inner is whole vectors, that kernel's arithmetic is made here: x / (1 + exp(-x))
+  // with the SLEEF exp ATen calls (exported by libtorch_cpu), the same operations in the same order. Through
+  // ATen (two tensors made and the operator dispatched) it cost ~6 us a call, 60 calls a step: ~0.35 ms of a step.
   static void silu_times_up(const float* gate_up, float* activated, int64_t inner) {  // gate_up is only read
+    const float* up = gate_up + inner;
+#if defined(__AVX512F__)
+    static const bool aten_avx512 = at::get_cpu_capability() == "AVX512";
+    if (aten_avx512 && inner % 16 == 0) {
+      for (int64_t i = 0; i < inner; i += 16) {
+        const __m512 x = _mm512_loadu_ps(gate_up + i);
+        const __m512 e = Sleef_expf16_u10avx512f(_mm512_xor_ps(_mm512_set1_ps(-0.0f), x));
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(activated + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+      }
+      return;
+    }
+#endif
     const at::Tensor gate =
         at::from_blob(const_cast<float*>(gate_up), {1, inner}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor out = at::from_blob(activated, {1, inner}, at::TensorOptions().dtype(at::kFloat));
     at::silu_out(out, gate);
-    const float* up = gate_up + inner;
     for (int64_t i = 0; i < inner; ++i) activated[i] *= up[i];
   }
 };
