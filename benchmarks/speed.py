@@ -136,6 +136,8 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
     for weights in formats:  # "model" first: its full cache is the reference of every KL
         engine = Engine.from_pretrained(weights=weights)
         step_weights = weight_bytes(engine.model)
+        # rows of weights="auto" are labelled with the format it resolved to (model.semanticache_weights)
+        label = f"auto: {getattr(engine.model, 'semanticache_weights', 'model')}" if weights == "auto" else weights
         for tokens in lengths:
             prefill = engine.prefill(real_document(engine.tokenizer, tokens), progress=False, surprisal=True)
             for name, compression, ratio in CACHES:
@@ -160,7 +162,7 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
                 step_bytes = step_weights + cache.nbytes
                 row = {
                     "system": "ours",
-                    "weights": weights,
+                    "weights": label,
                     "cache": name,
                     "tokens": tokens,
                     "context_tokens": cache.length,
