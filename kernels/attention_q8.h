@@ -35,10 +35,6 @@ constexpr int64_t MAX_KEY_GROUPS = 8;   // key groups the integer scores take: D
 // vectors in AVX-512's 32 registers (at D = 64)
 constexpr int64_t INTEGER_HEADS = 3;
 
-// Pieces of the query where the keys are scored in integers without rounding it (split): 3 of 8 bits leave each
-// channel within 2^-24 of its block's largest magnitude, fp32's own precision.
-constexpr int64_t SPLIT_PIECES = 3;
-
 // The query heads (group of D channels each) as the integer scores take them: rounded to Q8_0 (round: `rounded`
 // q^, floats, one piece of codes and each block's scale), or split into SPLIT_PIECES pieces of 8-bit codes whose
 // sum is the query (split). Per key group of `width` channels, the sum of q^ (or of the query).
@@ -65,32 +61,29 @@ struct RoundedQuery {
     sum_groups(rounded, group, width);
   }
 
-  // Each block of the query as the sum over pieces p of step(p) * codes[p]: each piece is what the pieces before left
-  // rounded to Q8_0 (step = its largest magnitude / 127), its remainder taken with one rounding (a fused
-  // multiply-add), so that each piece leaves at most 1/254 of what it was given: 3 pieces, 2^-24 of the block's
-  // largest magnitude. The integer sums then give the float path's scores up to the rounding of the float sums.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // Each block of the query as the sum over pieces p of step(p) * codes[p] (cpu_ops.h's split_block), with each
+  // piece's sum of codes. Only where the keys are scored in integers (integer_scored: D a multiple of 64, so
+  // blocks of 32). The integer sums then give the float path's scores up to the rounding of the float sums.
   void split(const float* query, int64_t group, int64_t width) {
+    static_assert(D < 64 || BLOCK == 32, "split takes blocks of 32 channels");
     pieces = SPLIT_PIECES;
     for (int64_t h = 0; h < group; ++h) {
       for (int64_t b = 0; b < D / BLOCK; ++b) {
         const int64_t at = h * D + b * BLOCK;
-        float left[BLOCK];
-        std::copy(query + at, query + at + BLOCK, left);
+        float steps[SPLIT_PIECES];
+        split_block(query + at, codes[0] + at, 16 * D, steps);
         for (int64_t p = 0; p < SPLIT_PIECES; ++p) {
-          int8_t* code = codes[p] + at;
-          const float step = quantise_block(left, BLOCK, code);
           int32_t sum = 0;
-          for (int64_t k = 0; k < BLOCK; ++k) {
-            sum += code[k];
-            left[k] = std::fma(-static_cast<float>(code[k]), step, left[k]);
-          }
-          block_scale[p][h][b] = step;
+          for (int64_t k = 0; k < BLOCK; ++k) sum += codes[p][at + k];
+          block_scale[p][h][b] = steps[p];
           code_sum[p][h][b] = sum;
         }
       }
     }
     sum_groups(query, group, width);
   }
+#endif
 
  private:
   void sum_groups(const float* query, int64_t group, int64_t width) {

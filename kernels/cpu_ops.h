@@ -5,6 +5,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -60,11 +64,34 @@ void q4_1_blocks(const Q4Weights& w, const QuantisedRows& q, int64_t rows, float
 
 void input_sums(const float* x, int64_t rows, int64_t in_features, float* sums);  // (rows, in / 32)
 
-// Rows as the int4-exact product takes them in integers (AVX-512 VNNI): per group of 32 inputs, ROW_PIECES pieces
-// of Q8_0 codes whose sum is the group to fp32's precision (each piece what the ones before left, rounded to Q8_0:
-// within 2^-24 of the group's largest magnitude), codes (rows, ROW_PIECES, in), scales (rows, groups, ROW_PIECES),
-// and the sums of the fp32 inputs (rows, groups: input_sums).
-constexpr int64_t ROW_PIECES = 3;
+// Pieces of Q8_0 codes whose sum keeps a block of 32 floats to fp32's precision, where products with coded
+// weights or keys are summed in integers without rounding their fp32 side (AVX-512 VNNI): each piece what the ones
+// before left, rounded to Q8_0 (quantise_block's roundings), its remainder taken with one rounding (a fused
+// multiply-add), so each leaves at most 1/254 of what it was given: 3 pieces, within 2^-24 of the block's largest
+// magnitude. The int4-exact products' rows (split_rows) and the attention kernel's query (attention_q8.h).
+constexpr int64_t SPLIT_PIECES = 3;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+// The 32 floats at x as SPLIT_PIECES pieces: piece p's codes at codes + p * piece_stride, its scale steps[p].
+inline void split_block(const float* x, int8_t* codes, int64_t piece_stride, float* steps) {
+  __m512 left[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+  for (int64_t p = 0; p < SPLIT_PIECES; ++p) {
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(left[0]), _mm512_abs_ps(left[1])));
+    const float scale = largest / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512 code = _mm512_roundscale_ps(_mm512_div_ps(left[h], _mm512_set1_ps(safe)), _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + p * piece_stride + 16 * h),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(code)));
+      left[h] = _mm512_fnmadd_ps(code, _mm512_set1_ps(scale), left[h]);
+    }
+    steps[p] = scale;
+  }
+}
+#endif
+
+// Rows as the int4-exact product takes them: the sums of the fp32 inputs per group of 32 (rows, groups: input_sums)
+// and, where it sums in integers (splits_rows), each group split (split_block): codes (rows, SPLIT_PIECES, in),
+// scales (rows, groups, SPLIT_PIECES).
 struct SplitRows {
   std::vector<int8_t> codes;
   std::vector<float> scales, sums;

@@ -82,7 +82,9 @@ void attend_rows(const float* query, int64_t group, const Rows& keys, const Rows
     rounded.round(query, group, keys.group_width);
     query = rounded.rounded;
   } else if (integer) {  // the query as it is, in pieces of integers
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     rounded.split(query, group, keys.group_width);
+#endif
   }
   const bool weighs = q8 && integer_weighted(values, D);  // coded values in integers (attention_values_int.h)
   IntegerValues<D> integer_values(values, weighs ? group : 0);

@@ -358,14 +358,14 @@ struct Int4Layers : torch::CustomClassHolder {
     const Int4Layers& model;
     const int64_t thread, threads, hidden;
     const bool first;  // thread 0: writes what only one thread may (the cache rows, the result)
-    std::vector<float> residual, normed, query, attended, sums, activated;
+    std::vector<float> residual, normed, query, attended, activated;
     semanticache::QuantisedRows codes;
-    semanticache::SplitRows split;  // the rows of fp32 products where they are split (splits_rows)
+    semanticache::SplitRows split;  // the rows of fp32 products: their group sums, and their pieces (splits_rows)
 
     Worker(const Int4Layers& model_, int64_t hidden_, int64_t widest, const float* x)
         : model(model_), thread(omp_get_thread_num()), threads(omp_get_num_threads()), hidden(hidden_),
           first(thread == 0), residual(x, x + hidden_), normed(hidden_), query(model_.heads * model_.dim),
-          attended(model_.heads * model_.dim), sums(widest / 32), activated(widest) {}
+          attended(model_.heads * model_.dim), activated(widest) {}
 
     void norm(const float* weight, double eps) {
       semanticache::rms_norm_row(residual.data(), weight, eps, hidden, normed.data());
@@ -377,10 +377,8 @@ struct Int4Layers : torch::CustomClassHolder {
 
     // this thread's share of the output blocks of row (in,) times w, each as q4_1_product(_fp32) computes it
     void product(const semanticache::Q4Weights& w, const float* row, int64_t in, float* out) {
-      if (model.fp32_rows && semanticache::splits_rows()) {
+      if (model.fp32_rows) {
         semanticache::split_rows(row, 1, in, split);
-      } else if (model.fp32_rows) {
-        semanticache::input_sums(row, 1, in, sums.data());
       } else {
         semanticache::quantise_rows(row, 1, in, codes);
       }
@@ -388,11 +386,8 @@ struct Int4Layers : torch::CustomClassHolder {
       const int64_t end = std::min(w.blocks, begin + share);
       if (begin >= end) return;
       if (model.fp32_rows) {
-        if (semanticache::splits_rows()) {
-          semanticache::q4_1_blocks_fp32(w, row, 1, split.sums.data(), out, begin, end, &split);
-        } else {
-          semanticache::q4_1_blocks_fp32(w, row, 1, sums.data(), out, begin, end);
-        }
+        semanticache::q4_1_blocks_fp32(w, row, 1, split.sums.data(), out, begin, end,
+                                       semanticache::splits_rows() ? &split : nullptr);
       } else {
         semanticache::q4_1_blocks(w, codes, 1, out, begin, end);
       }

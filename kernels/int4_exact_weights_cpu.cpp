@@ -65,28 +65,10 @@ inline void q4_group_tile(const uint8_t* octets, float (*tile)[OUTPUTS]) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
-// One row's group of 32 inputs split (split_rows): its pieces' codes (piece p at codes + p * in_features) and
-// scales (scales[p]). Each piece is quantise_block's rounding of what is left (the same roundings: x / scale, ties to
-// even), and what it leaves is taken with one rounding (a fused multiply-add).
-inline void split_group(const float* x, int64_t in_features, int8_t* codes, float* scales) {
-  __m512 left[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
-  for (int64_t p = 0; p < semanticache::ROW_PIECES; ++p) {
-    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(left[0]), _mm512_abs_ps(left[1])));
-    const float scale = largest / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
-    for (int64_t h = 0; h < 2; ++h) {
-      const __m512 code = _mm512_roundscale_ps(_mm512_div_ps(left[h], _mm512_set1_ps(safe)), _MM_FROUND_TO_NEAREST_INT);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + p * in_features + 16 * h),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(code)));
-      left[h] = _mm512_fnmadd_ps(code, _mm512_set1_ps(scale), left[h]);
-    }
-    scales[p] = scale;
-  }
-}
-
 // t[j] = the group's sum of input * Q4_1 code (output j) from the split row's pieces (codes xq + p * in_features,
 // scales), its integer sums exact: sum over pieces of scale * (codes . row codes); octets = the group's 4 x 64 bytes
 inline __m512 q4_group_split(const uint8_t* octets, const int8_t* xq, int64_t in_features, const float* scales) {
-  constexpr int64_t P = semanticache::ROW_PIECES;
+  constexpr int64_t P = semanticache::SPLIT_PIECES;
   const __m512i mask = _mm512_set1_epi8(15);
   __m512i low_sum[P], high_sum[P];
   for (int64_t p = 0; p < P; ++p) low_sum[p] = high_sum[p] = _mm512_setzero_si512();
@@ -108,18 +90,18 @@ inline __m512 q4_group_split(const uint8_t* octets, const int8_t* xq, int64_t in
 
 }  // namespace
 
-// x (rows, in) split into pieces of Q8_0 codes per group (SplitRows), with each group's sum (input_sums).
+// x (rows, in) as SplitRows: each group's sum (input_sums) and, where the products sum in integers, its pieces.
 void semanticache::split_rows(const float* x, int64_t rows, int64_t in_features, SplitRows& q) {
   const int64_t groups = in_features / GROUP;
-  q.codes.resize(rows * ROW_PIECES * in_features);
-  q.scales.resize(rows * groups * ROW_PIECES);
   q.sums.resize(rows * groups);
   input_sums(x, rows, in_features, q.sums.data());
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  q.codes.resize(rows * SPLIT_PIECES * in_features);
+  q.scales.resize(rows * groups * SPLIT_PIECES);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      split_group(x + r * in_features + g * GROUP, in_features, q.codes.data() + r * ROW_PIECES * in_features + g * GROUP,
-                  q.scales.data() + (r * groups + g) * ROW_PIECES);
+      split_block(x + r * in_features + g * GROUP, q.codes.data() + r * SPLIT_PIECES * in_features + g * GROUP,
+                  in_features, q.scales.data() + (r * groups + g) * SPLIT_PIECES);
     }
   }
 #endif
@@ -155,13 +137,13 @@ void semanticache::q4_1_blocks_fp32(const Q4Weights& w, const float* input, int6
   if (split != nullptr) {
     for (int64_t b = first; b < last; ++b) {
       for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* xq = split->codes.data() + r * ROW_PIECES * in_features;
+        const int8_t* xq = split->codes.data() + r * SPLIT_PIECES * in_features;
         __m512 total = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* octets = c + (b * in_features + g * GROUP) * OUTPUTS / 2;
           if (r == 0)
             for (int64_t line = 0; line < 4; ++line) __builtin_prefetch(octets + PREFETCH + 64 * line);
-          const __m512 t = q4_group_split(octets, xq + g * GROUP, in_features, split->scales.data() + (r * groups + g) * ROW_PIECES);
+          const __m512 t = q4_group_split(octets, xq + g * GROUP, in_features, split->scales.data() + (r * groups + g) * SPLIT_PIECES);
           const __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (b * groups + g) * OUTPUTS)));
           const __m512 weight_minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + (b * groups + g) * OUTPUTS)));
           total = _mm512_fmadd_ps(weight_minimum, _mm512_set1_ps(split->sums[r * groups + g]), _mm512_fmadd_ps(weight_scale, t, total));
@@ -293,12 +275,7 @@ at::Tensor semanticache::q4_1_product_fp32(const at::Tensor& x, const at::Tensor
   check_rows(x, w.in_features);
   const float* input = x.data_ptr<float>();
   SplitRows split;
-  if (splits_rows()) {
-    split_rows(input, x.size(0), w.in_features, split);
-  } else {
-    split.sums.resize(x.size(0) * (w.in_features / GROUP));
-    input_sums(input, x.size(0), w.in_features, split.sums.data());
-  }
+  split_rows(input, x.size(0), w.in_features, split);
   return blocks_on_threads(x, w, [&](float* o, int64_t first, int64_t last) {
     q4_1_blocks_fp32(w, input, x.size(0), split.sums.data(), o, first, last, splits_rows() ? &split : nullptr);
   });
