@@ -114,6 +114,16 @@ void q4_1_blocks_fp32(const Q4Weights& w, const float* x, int64_t rows, const fl
 at::Tensor q8_0_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor q8_0_product_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
+// kernels/fp32_weights_cpu.cpp: one float32 row times float32 weights (out, in) as nn.Linear keeps them, and
+// in parts for a caller that runs its own threads: outputs [first, last) as fp32_row_product computes them
+struct DenseWeights {
+  const float* rows;  // (out, in) row-major
+  int64_t out_features, in_features;
+};
+DenseWeights dense_weights(const at::Tensor& weight);
+void dense_outputs(const DenseWeights& w, const float* x, float* out, int64_t first, int64_t last);
+at::Tensor fp32_row_product(const at::Tensor& x, const at::Tensor& weight);  // x (in,) -> (out,)
+
 // kernels/decode_attention_cpu.cpp: one token's attention (H_kv, G, D) over a document as stored and
 // the appended (H_kv, T, D); q8_query: coded keys are scored against the query rounded to Q8_0
 // (kernels/attention_q8.h)

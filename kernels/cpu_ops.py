@@ -49,6 +49,7 @@ SOURCES = tuple(
         "int4_weights_cpu.cpp",
         "int4_exact_weights_cpu.cpp",
         "q8_0_weights_cpu.cpp",
+        "fp32_weights_cpu.cpp",
         "gsc_cpu.cpp",
         "rms_norm_cpu.cpp",
         "decoder_step_cpu.cpp",
@@ -90,6 +91,7 @@ SCHEMAS = {
         "int8_row_product(Tensor x, Tensor codes, Tensor scales) -> Tensor",
         int4_weights_ref.int8_row_product,
     ),
+    "fp32_row_product": ("fp32_row_product(Tensor x, Tensor weight) -> Tensor", int4_weights_ref.fp32_row_product),
     "q8_0_product": ("q8_0_product(Tensor x, Tensor codes, Tensor scales) -> Tensor", int4_weights_ref.q8_0_product),
     "q8_0_product_fp32": (
         "q8_0_product_fp32(Tensor x, Tensor codes, Tensor scales) -> Tensor",

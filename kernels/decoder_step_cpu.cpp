@@ -1,5 +1,5 @@
-// One decoding step of a Llama model with int4 (Q4_1) weights, in one call: its decoder layers, and with
-// the step's ends set, the embedding row before them and the final norm and a Q8_0 head after them.
+// One decoding step of a Llama model with int4 (Q4_1) or float32 weights, in one call: its decoder layers, and
+// with the step's ends set, the embedding row before them and the final norm and a Q8_0 or float32 head after them.
 //
 // TorchScript's step (semanticache_rag/scripted_step.py) makes ~15 small tensor operations a layer
 // around the products: slices, RoPE's gather and multiply-add, the cache writes, SiLU, the residual
@@ -11,10 +11,11 @@
 // their outputs cost ~1 ms of a 7.5 ms step on a 2-core AVX2 CPU, with the per-step plan below).
 //
 // Two classes, torch.classes.semanticache.*, made once and kept:
-// - Int4Layers: the model's weights (per layer the two norms' weights and the Q4_1 codes, scales and
-//   minimums of the fused query/key/value, output, fused gate/up and down products), its shape and
-//   whether its products keep fp32 rows (weights="int4-exact"); step() runs every layer for one token.
-//   With its ends set (set_ends: the embedding table, the final norm, a Q8_0 head), token_step() runs
+// - Int4Layers: the model's weights (per layer the two norms' weights and, for each of the fused
+//   query/key/value, output, fused gate/up and down products, the Q4_1 codes, scales and minimums, or a
+//   float32 matrix (out, in) and two empty tensors: weights="fp32", kernels/fp32_weights_cpu.cpp), its shape
+//   and whether its products keep fp32 rows (weights="int4-exact" and "fp32"); step() runs every layer for one
+//   token. With its ends set (set_ends: the embedding table, the final norm, a Q8_0 or fp32 head), token_step() runs
 //   the whole step from a token id to its logits, so that no Python operation is left between them.
 //   With set_timing(true) it adds up where its steps' time goes (timings(): the attention, the rest of
 //   the layers, the head), for benchmarks; a few clock readings a layer, only then.
@@ -66,6 +67,28 @@ extern "C" __m512 Sleef_expf16_u10avx512f(__m512);
 namespace {
 
 constexpr int64_t WEIGHTS_PER_LAYER = 14;  // norm, qkv (codes, scales, minimums), o (3), norm, gate/up (3), down (3)
+
+// One of a layer's products: Q4_1 codes, or float32 rows (rows != nullptr; the product's three tensors are the
+// matrix and two empty ones)
+struct Product {
+  semanticache::Q4Weights q4{};
+  semanticache::DenseWeights dense{};
+
+  static Product of(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& minimums) {
+    Product p;
+    if (codes.scalar_type() == at::kFloat) {
+      TORCH_CHECK(scales.numel() == 0 && minimums.numel() == 0, "a float32 product takes no scales or minimums");
+      p.dense = semanticache::dense_weights(codes);
+    } else {
+      p.q4 = semanticache::q4_1_weights(codes, scales, minimums);
+    }
+    return p;
+  }
+
+  bool is_dense() const { return dense.rows != nullptr; }
+  int64_t in_features() const { return is_dense() ? dense.in_features : q4.in_features; }
+  int64_t out_features() const { return is_dense() ? dense.out_features : 16 * q4.blocks; }
+};
 constexpr int64_t DOCUMENT_PER_LAYER = 7;  // keys, key scales, key minimums, values, ... (3), bias
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
@@ -148,7 +171,7 @@ struct Int4Layers : torch::CustomClassHolder {
   struct LayerView {
     const float* norm;
     const float* norm_mlp;
-    semanticache::Q4Weights qkv, o, gate_up, down;
+    Product qkv, o, gate_up, down;
   };
   std::vector<LayerView> views;
   int64_t hidden;
@@ -161,27 +184,28 @@ struct Int4Layers : torch::CustomClassHolder {
     }
     const LayerView view{w[0].data_ptr<float>(),
                          w[7].data_ptr<float>(),
-                         semanticache::q4_1_weights(w[1], w[2], w[3]),
-                         semanticache::q4_1_weights(w[4], w[5], w[6]),
-                         semanticache::q4_1_weights(w[8], w[9], w[10]),
-                         semanticache::q4_1_weights(w[11], w[12], w[13])};
+                         Product::of(w[1], w[2], w[3]),
+                         Product::of(w[4], w[5], w[6]),
+                         Product::of(w[8], w[9], w[10]),
+                         Product::of(w[11], w[12], w[13])};
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-    const semanticache::Q4Weights &qkv = view.qkv, &o = view.o, &gate_up = view.gate_up, &down = view.down;
-    TORCH_CHECK(qkv.in_features == hidden && qkv.blocks * 16 == q_size + 2 * kv_size && o.in_features == q_size &&
-                    o.blocks * 16 == hidden && gate_up.in_features == hidden && down.blocks * 16 == hidden &&
-                    gate_up.blocks * 16 == 2 * down.in_features,
-                "layer ", l, ": products of ", qkv.in_features, "->", qkv.blocks * 16, ", ", o.in_features, "->",
-                o.blocks * 16, ", ", gate_up.in_features, "->", gate_up.blocks * 16, ", ", down.in_features, "->",
-                down.blocks * 16, " do not fit ", hidden, " hidden values and ", heads, " + 2 x ", kv_heads,
-                " heads of ", dim);
+    const Product &qkv = view.qkv, &o = view.o, &gate_up = view.gate_up, &down = view.down;
+    TORCH_CHECK(qkv.in_features() == hidden && qkv.out_features() == q_size + 2 * kv_size &&
+                    o.in_features() == q_size && o.out_features() == hidden && gate_up.in_features() == hidden &&
+                    down.out_features() == hidden && gate_up.out_features() == 2 * down.in_features(),
+                "layer ", l, ": products of ", qkv.in_features(), "->", qkv.out_features(), ", ", o.in_features(),
+                "->", o.out_features(), ", ", gate_up.in_features(), "->", gate_up.out_features(), ", ",
+                down.in_features(), "->", down.out_features(), " do not fit ", hidden, " hidden values and ", heads,
+                " + 2 x ", kv_heads, " heads of ", dim);
     return view;
   }
 
   int64_t layers() const { return static_cast<int64_t>(eps.size()) / 2; }
 
   // The step's two ends (set_ends): the embedding table (V, hidden) fp32, the final norm's weight and
-  // epsilon, and the output head's Q8_0 codes and scales (undefined: the head is not one, the caller
-  // multiplies by it). Shared with the model's modules, like the layers' weights.
+  // epsilon, and the output head's Q8_0 codes and scales, or its float32 matrix (V, hidden) and no scales
+  // (undefined: no head in the step, the caller multiplies by it). Shared with the model's modules, like the
+  // layers' weights.
   at::Tensor embedding, final_norm, head_codes, head_scales;
   double final_eps = 0.0;
 
@@ -194,9 +218,14 @@ struct Int4Layers : torch::CustomClassHolder {
                 embedding_.scalar_type(), embedding_.is_contiguous() ? " " : " non-contiguous ", embedding_.sizes(),
                 " and ", final_norm_.scalar_type(), " ", final_norm_.sizes());
     TORCH_CHECK(head_codes_.numel() == 0 || head_scales_.scalar_type() == at::kBFloat16 ||
-                    head_scales_.scalar_type() == at::kFloat,
+                    head_scales_.scalar_type() == at::kFloat || head_codes_.scalar_type() == at::kFloat,
                 "the head's Q8_0 scales must be bf16 (q8_0_product) or float32 (q8_0_product_fp32), got ",
                 head_scales_.scalar_type());
+    if (head_codes_.numel() && head_codes_.scalar_type() == at::kFloat) {  // fp32_row_product's weights
+      const semanticache::DenseWeights head = semanticache::dense_weights(head_codes_);
+      TORCH_CHECK(head.in_features == embedding_.size(1) && head_scales_.numel() == 0,
+                  "a float32 head must be (V, ", embedding_.size(1), ") with no scales, got ", head_codes_.sizes());
+    }
     embedding = embedding_;
     final_norm = final_norm_.contiguous();
     final_eps = final_eps_;
@@ -239,7 +268,7 @@ struct Int4Layers : torch::CustomClassHolder {
     TORCH_CHECK(embedding.defined(), "token_step needs the embedding and the final norm (set_ends)");
     TORCH_CHECK(token >= 0 && token < embedding.size(0), "token ", token, " is outside the vocabulary of ",
                 embedding.size(0));
-    TORCH_CHECK(!head || has_head(), "token_step(head=True) needs a Q8_0 head (set_ends)");
+    TORCH_CHECK(!head || has_head(), "token_step(head=True) needs a Q8_0 or float32 head (set_ends)");
     const at::Tensor x = step(embedding.narrow(0, token, 1), cos, sin, document, appended_keys, appended_values, length);
     // the final norm by the ATen operations of LlamaRMSNorm (semanticache_rag/fused.py, FusedLlama._norm), in
     // its order: the other steps' logits exactly (the layers' norms are the rms_norm kernel in every step)
@@ -247,7 +276,9 @@ struct Int4Layers : torch::CustomClassHolder {
         at::mul(final_norm, at::mul(x, at::rsqrt(at::add(at::mean(at::pow(x, 2), {-1}, true), final_eps))));
     if (!head) return normed;
     const Clock::time_point started = timing ? Clock::now() : Clock::time_point{};
-    at::Tensor logits = head_scales.scalar_type() == at::kFloat
+    at::Tensor logits = head_codes.scalar_type() == at::kFloat
+                            ? semanticache::fp32_row_product(normed, head_codes).view({1, -1})
+                        : head_scales.scalar_type() == at::kFloat
                             ? semanticache::q8_0_product_fp32(normed, head_codes, head_scales)
                             : semanticache::q8_0_product(normed, head_codes, head_scales);
     if (timing) times[HEAD] += seconds_since(started);
@@ -288,7 +319,7 @@ struct Int4Layers : torch::CustomClassHolder {
       attention[l].bind(appended_keys[l], appended_values[l], length + 1);
     }
     int64_t inner = 0;
-    for (const LayerView& view : views) inner = std::max(inner, view.gate_up.blocks * 8);
+    for (const LayerView& view : views) inner = std::max(inner, view.gate_up.out_features() / 2);
     // shared: the products' outputs (their blocks written by the threads)
     std::vector<float> qkv(q_size + 2 * kv_size), projected(hidden), gate_up(2 * inner), down(hidden);
     float* result = x.data_ptr<float>();
@@ -320,8 +351,8 @@ struct Int4Layers : torch::CustomClassHolder {
         worker.norm(p.norm_mlp, eps[2 * l + 1]);
         worker.product(p.gate_up, worker.normed.data(), hidden, gate_up.data());
 #pragma omp barrier
-        silu_times_up(gate_up.data(), worker.activated.data(), p.gate_up.blocks * 8);
-        worker.product(p.down, worker.activated.data(), p.gate_up.blocks * 8, down.data());
+        silu_times_up(gate_up.data(), worker.activated.data(), p.gate_up.out_features() / 2);
+        worker.product(p.down, worker.activated.data(), p.down.in_features(), down.data());
 #pragma omp barrier
         worker.add(down.data());
       }
@@ -375,8 +406,16 @@ struct Int4Layers : torch::CustomClassHolder {
       for (int64_t i = 0; i < hidden; ++i) residual[i] += update[i];
     }
 
-    // this thread's share of the output blocks of row (in,) times w, each as q4_1_product(_fp32) computes it
-    void product(const semanticache::Q4Weights& w, const float* row, int64_t in, float* out) {
+    // this thread's share of the output blocks (16 outputs each) of row (in,) times p, each as
+    // q4_1_product(_fp32) or fp32_row_product computes it
+    void product(const Product& p, const float* row, int64_t in, float* out) {
+      if (p.is_dense()) {
+        const int64_t blocks = (p.dense.out_features + 15) / 16, share = (blocks + threads - 1) / threads;
+        const int64_t begin = std::min(p.dense.out_features, 16 * thread * share);
+        semanticache::dense_outputs(p.dense, row, out, begin, std::min(p.dense.out_features, begin + 16 * share));
+        return;
+      }
+      const semanticache::Q4Weights& w = p.q4;
       if (model.fp32_rows) {
         semanticache::split_rows(row, 1, in, split);
       } else {

@@ -7,7 +7,8 @@ group of 32 inputs, in a layout of their own, :func:`q4_1_layout`) and Q8_0 ones
 Q4_1 weights instead (:func:`unpack_q4_1`). :class:`~semanticache_rag.weights.Int8Linear`'s one-row
 product (int8 codes, one scale per output) stays in fp32. :mod:`.cpu_ops` builds the C++ twins
 (``int4_weights_cpu.cpp``: Q4_1; ``int4_exact_weights_cpu.cpp``: Q4_1 in fp32 arithmetic;
-``q8_0_weights_cpu.cpp``: Q8_0 and int8).
+``q8_0_weights_cpu.cpp``: Q8_0 and int8; ``fp32_weights_cpu.cpp``: one fp32 row times fp32 weights,
+:func:`fp32_row_product`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def q4_1_product_fp32(
 def int8_row_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` (in,) fp32 times int8 ``codes`` (out, in) with one bf16 scale per output: (out,) fp32."""
     return (codes.float() @ x) * scales.float()
+
+
+def fp32_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` (in,) fp32 times fp32 ``weight`` (out, in), as ``nn.Linear`` keeps it: (out,) fp32."""
+    return weight @ x
 
 
 def quantize_rows(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

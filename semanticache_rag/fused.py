@@ -366,14 +366,45 @@ class FusedLlama:
         return x
 
 
+def _product_tensors(product) -> list[torch.Tensor] | None:
+    """What the C++ step takes of one of a layer's products: an :class:`~semanticache_rag.weights.Int4Linear`'s
+    codes, scales and minimums, or an :class:`~semanticache_rag.weights.Fp32Linear`'s matrix and two empty
+    tensors; ``None`` for any other product (or one with a bias)."""
+    from semanticache_rag.weights import Fp32Linear, Int4Linear
+
+    if getattr(product, "bias", None) is not None:
+        return None
+    if isinstance(product, Int4Linear) and not product.dense.numel():
+        return [product.codes, product.scales, product.minimums]
+    if isinstance(product, Fp32Linear) and product.one_row and product.weight.is_contiguous():
+        return [product.weight.detach(), torch.empty(0), torch.empty(0)]
+    return None
+
+
+def _head_tensors(head) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The output head as the C++ step multiplies by it: a :class:`~semanticache_rag.weights.GroupedInt8Linear`'s
+    Q8_0 codes and scales (either kind), or an :class:`~semanticache_rag.weights.Fp32Linear`'s matrix and no
+    scales; ``None`` where the head is neither (the caller multiplies by it)."""
+    from semanticache_rag.weights import Fp32Linear, GroupedInt8Linear
+
+    if getattr(head, "bias", None) is not None or not getattr(head, "one_row", False):
+        return None
+    if isinstance(head, GroupedInt8Linear):
+        return head.codes, head.scales
+    if isinstance(head, Fp32Linear) and head.weight.is_contiguous():
+        return head.weight.detach(), torch.empty(0)
+    return None
+
+
 def native_layers(model, heads: int, kv_heads: int, dim: int):
     """``torch.classes.semanticache.Int4Layers`` holding ``model``'s decoder layers (sharing their
-    tensors) where every projection is an :class:`~semanticache_rag.weights.Int4Linear` on its codes (the
-    C++ kernels built) and the norms are fp32; ``None`` otherwise. It also holds the step's ends
-    (``token_step``): the embedding table, the final norm and, where the output head is a
-    :class:`~semanticache_rag.weights.GroupedInt8Linear` (Q8_0, either kind), the head's codes."""
+    tensors) where every projection is an :class:`~semanticache_rag.weights.Int4Linear` on its codes or an
+    :class:`~semanticache_rag.weights.Fp32Linear` (the C++ kernels built) and the norms are fp32; ``None``
+    otherwise. It also holds the step's ends (``token_step``): the embedding table, the final norm and, where
+    the output head is a :class:`~semanticache_rag.weights.GroupedInt8Linear` (Q8_0, either kind) or an
+    :class:`~semanticache_rag.weights.Fp32Linear`, the head (:func:`_head_tensors`)."""
     from semanticache_rag.kernels import cpu_ops
-    from semanticache_rag.weights import GroupedInt8Linear, Int4Linear
+    from semanticache_rag.weights import Fp32Linear, Int4Linear
 
     embedding = model.model.embed_tokens.weight
     if not cpu_ops.available() or model.model.norm.weight.dtype != torch.float32:
@@ -385,30 +416,23 @@ def native_layers(model, heads: int, kv_heads: int, dim: int):
         attention, mlp = layer.self_attn, layer.mlp
         products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(not isinstance(p, Int4Linear) or p.dense.numel() or p.bias is not None for p in products):
+        parts = [_product_tensors(p) for p in products]
+        if any(part is None for part in parts) or any(norm.weight.dtype != torch.float32 for norm in norms):
             return None
-        if any(norm.weight.dtype != torch.float32 for norm in norms):
-            return None
-        for norm, pair in zip(norms, (products[:2], products[2:])):
+        for norm, pair in zip(norms, (parts[:2], parts[2:])):
             tensors.append(norm.weight.detach())
-            for product in pair:
-                tensors += [product.codes, product.scales, product.minimums]
+            for part in pair:
+                tensors += part
             eps.append(float(norm.variance_epsilon))
     # the layer's order of tensors: norm, qkv, o, norm, gate/up, down (decoder_step_cpu.cpp)
     scaling = {float(layer.self_attn.scaling) for layer in model.model.layers}
-    rows = {type(m).fp32_rows for layer in model.model.layers for m in layer.modules() if isinstance(m, Int4Linear)}
+    kinds = (Int4Linear, Fp32Linear)
+    rows = {type(m).fp32_rows for layer in model.model.layers for m in layer.modules() if isinstance(m, kinds)}
     if len(scaling) != 1 or len(rows) != 1:
         return None
     native = torch.classes.semanticache.Int4Layers(tensors, eps, heads, kv_heads, dim, scaling.pop(), rows.pop())
-    # the step's ends: the embedding row, the final norm, and a Q8_0 head (its one-row product) in the same call
-    head, empty = model.lm_head, torch.empty(0)
-    in_step = isinstance(head, GroupedInt8Linear) and head.bias is None and head.one_row
+    # the step's ends: the embedding row, the final norm, and a Q8_0 or fp32 head (its one-row product) in the call
+    head = _head_tensors(model.lm_head) or (torch.empty(0), torch.empty(0))
     norm = model.model.norm
-    native.set_ends(
-        embedding.detach(),
-        norm.weight.detach(),
-        float(norm.variance_epsilon),
-        head.codes if in_step else empty,
-        head.scales if in_step else empty,
-    )
+    native.set_ends(embedding.detach(), norm.weight.detach(), float(norm.variance_epsilon), *head)
     return native

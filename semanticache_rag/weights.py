@@ -76,7 +76,7 @@ from semanticache_rag.errors import ConfigError
 from semanticache_rag.gguf_codes import GROUP, auto_weights, group_codes, int8_codes, is_q8_0
 from semanticache_rag.kernels import cpu_ops, int4_weights_ref
 
-WEIGHTS = ("auto", "model", "fp16", "bf16", "int8", "int4", "int4-exact")
+WEIGHTS = ("auto", "model", "fp32", "fp16", "bf16", "int8", "int4", "int4-exact")
 COMPUTE_DTYPE = torch.bfloat16
 #: rows from which an int8/int4 layer multiplies by its weights decoded to fp32 instead of by its codes
 #: (measured, 2 threads, with torch's int8/int4 kernels: those won up to 32 rows, the decoded weights from 64
@@ -133,6 +133,41 @@ class _WeightOnlyLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Fp32Linear(_WeightOnlyLinear):
+    """An fp32 model's weights as loaded (``weights="fp32"``), multiplied in fp32: many rows by torch's product,
+    one row (a decoding step) by ``fp32_row_product`` (``kernels/fp32_weights_cpu.cpp``), which the C++ step
+    calls too. The model's arithmetic up to the order of the sums."""
+
+    weight: torch.Tensor
+    fp32_rows = True  # as ExactInt4Linear: the rows multiplied as they are, so coded keys meet the query as it is
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        if linear.weight.dtype != torch.float32:
+            raise ConfigError(f"weights='fp32' takes fp32 weights, got {linear.weight.dtype}")
+        self._keep(linear)
+        self.compute_dtype = torch.float32
+        self.one_row = cpu_ops.available()  # one row by the C++ product (else torch's)
+
+    def _keep(self, linear: nn.Linear) -> None:
+        # a buffer: packed into huge pages with what else a decoding step streams (convert_weights)
+        self.register_buffer("weight", linear.weight.detach().contiguous())
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def row_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.semanticache.fp32_row_product(x, self.weight)
+
+
+class TiedFp32Linear(Fp32Linear):
+    """:class:`Fp32Linear` for an output head tied to the input embedding: the embedding's own parameter, one
+    tensor for both (a buffer would keep a second copy once the parameters are copied out of the loader's map)."""
+
+    def _keep(self, linear: nn.Linear) -> None:
+        self.weight = linear.weight
 
 
 class BF16Linear(_WeightOnlyLinear):
@@ -300,6 +335,7 @@ class ExactGroupedInt8Linear(GroupedInt8Linear):
 
 
 _LAYER_KINDS = {
+    "fp32": Fp32Linear,
     "fp16": FP16Linear,
     "bf16": BF16Linear,
     "int8": Int8Linear,
@@ -307,7 +343,14 @@ _LAYER_KINDS = {
     "int4-exact": ExactInt4Linear,
 }
 # int4-exact: a head that is not a tied Q8_0 table stays as loaded (its fp32 arithmetic)
-_HEAD_KINDS = {"fp16": FP16Linear, "bf16": BF16Linear, "int8": Int8Linear, "int4": BF16Linear, "int4-exact": None}
+_HEAD_KINDS = {
+    "fp32": Fp32Linear,
+    "fp16": FP16Linear,
+    "bf16": BF16Linear,
+    "int8": Int8Linear,
+    "int4": BF16Linear,
+    "int4-exact": None,
+}
 
 
 def _fits(weights: str, linear: nn.Linear) -> bool:
@@ -356,6 +399,12 @@ def convert_weights(model: Any, weights: str) -> Any:
         raise ConfigError(
             f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16"
         )
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)}
+    if weights == "fp32" and dtypes - {torch.float32}:
+        raise ConfigError(
+            f"weights='fp32' keeps an fp32 model's weights; this one's are {sorted(map(str, dtypes))}: load the "
+            "model with dtype=torch.float32, or use weights='bf16'"
+        )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_kind = _head_kind(model, head, weights)
     if decoder and all(_fits(weights, linear) for linear in decoder):
@@ -384,6 +433,8 @@ def _head_kind(model: Any, head: Any, weights: str) -> type[_WeightOnlyLinear] |
     (``model.semanticache_reading_head``)."""
     head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
     tied = head is not None and _tied_head(model, head)
+    if weights == "fp32":
+        return TiedFp32Linear if tied else Fp32Linear
     if weights.startswith("int4") and tied and not cpu_ops.available():
         return None  # Q8_0's product is C++: without it the head stays the tied embedding table, as loaded
     if (

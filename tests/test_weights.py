@@ -19,6 +19,7 @@ from semanticache_rag.store_key import model_identity
 from semanticache_rag.weights import (
     BF16Linear,
     FP16Linear,
+    Fp32Linear,
     GroupedInt8Linear,
     Int4Linear,
     Int8Linear,
@@ -194,13 +195,13 @@ def test_int4_of_arbitrary_weights_is_within_half_a_step():
     assert torch.allclose(Int4Linear(linear)(x), x @ rebuilt.T, rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("weights", ["fp16", "bf16", "int8", "int4", "int4-exact"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "int4", "int4-exact"])
 def test_converted_tiny_model_answers_close_to_the_original(tiny_llama, tiny_tokenizer, weights):
     from semanticache_rag.weights import ExactInt4Linear
 
     model = convert_weights(copy.deepcopy(tiny_llama), weights)
     kinds = {type(m) for m in model.modules()}
-    assert {FP16Linear, BF16Linear, Int8Linear, Int4Linear, ExactInt4Linear} & kinds
+    assert {Fp32Linear, FP16Linear, BF16Linear, Int8Linear, Int4Linear, ExactInt4Linear} & kinds
     # int4-exact: a head that is not a tied Q8_0 table (the tiny model's is untied) stays as loaded
     assert (torch.nn.Linear in kinds) == (weights == "int4-exact")
     assert model.semanticache_weights == weights
@@ -350,7 +351,7 @@ def test_default_model_int4_keeps_the_gguf_codes_and_answers():
         assert engine.ask(cache, question, max_new_tokens=24).answer == answer.answer
 
 
-@pytest.mark.parametrize("weights", ["fp16", "bf16", "int4", "int4-exact"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int4", "int4-exact"])
 def test_lean_forward_equals_transformers_forward_on_the_converted_model(tiny_llama, tiny_tokenizer, weights):
     from semanticache_rag.fused import FusedLlama, RowSlice
     from semanticache_rag.kv import ConversationKV
@@ -460,7 +461,7 @@ def _scripted_and_python_steps(tiny_llama, tiny_tokenizer, weights):
     return engine, prefill, decode
 
 
-@pytest.mark.parametrize("weights", ["fp16", "int4", "int4-exact"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "int4", "int4-exact"])
 def test_scripted_decoding_step_is_the_python_step_token_for_token(tiny_llama, tiny_tokenizer, weights, monkeypatch):
     """The layers as one TorchScript call compute exactly what the Python loop computes, over plain and
     merged (log s) caches; a failure to script keeps the Python loop."""
@@ -502,12 +503,12 @@ def test_scripted_decoding_step_attends_kaizen_layers_as_the_python_step(tiny_ll
     assert any(isinstance(layer, SharedLayerKV) for layer in cache.layers)  # the last: shared layers
 
 
-@pytest.mark.parametrize("weights", ["int4", "int4-exact"])
-def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_tokenizer, weights):
-    """Every layer of an int4 model in one C++ call (kernels/decoder_step_cpu.cpp), with its tied Q8_0 head
-    in the same call, gives the scripted step's and the Python loop's logits exactly, over plain, merged
-    (log s) and Kaizen-coded caches; a cache with low-rank layers, which the attention kernel does not
-    take, keeps the scripted step."""
+@pytest.mark.parametrize("weights", ["int4", "int4-exact", "fp32"])
+def test_native_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_tokenizer, weights):
+    """Every layer of an int4 or fp32 model in one C++ call (kernels/decoder_step_cpu.cpp), with its tied head
+    (Q8_0; fp32's own) in the same call, gives the scripted step's and the Python loop's logits exactly, over
+    plain, merged (log s) and Kaizen-coded caches; a cache with low-rank layers, which the attention kernel
+    does not take, keeps the scripted step."""
     from semanticache_rag import make_compressor
 
     if not cpu_ops.available():
@@ -520,6 +521,7 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
     engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, weights)
     lean = engine.model.semanticache_forward
     # int4 (llama.cpp's arithmetic) scores coded keys against the query rounded to Q8_0 in all three steps
+    assert isinstance(engine.model.lm_head, Fp32Linear if weights == "fp32" else GroupedInt8Linear)
     assert {scripted_step.rounds_query(layer) for layer in engine.model.model.layers} == {weights == "int4"}
     compressions = [("none", None, ()), ("semanticache", 0.75, ()), ("kaizen", 0.6, ("int4",))]
     compressions += [("kaizen", 0.5, ("int8",)), ("kaizen", 0.4, ("fp16",)), ("kaizen", 0.3, ("share",))]
@@ -533,8 +535,8 @@ def test_native_int4_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_
         scripted, _ = decode(cache, scripted=True)
         native, kv = decode(cache, scripted=False, native=True)
         assert lean._native is not None and isinstance(kv.step_document, torch.ScriptObject), compression
-        # the tied head is Q8_0 (either kind): the C++ step computes the logits too, in the same call
-        assert isinstance(engine.model.lm_head, GroupedInt8Linear) and lean._native.has_head()
+        # the tied head (Q8_0 of either kind, or fp32): the C++ step computes the logits too, in the same call
+        assert lean._native.has_head()
         assert torch.equal(scripted, python) and torch.equal(native, python), (
             compression,
             options,
@@ -620,7 +622,7 @@ def test_native_step_takes_an_untied_head_in_python_and_refuses_bad_tokens(tiny_
     vocabulary = engine.model.model.embed_tokens.weight.shape[0]
     with pytest.raises(RuntimeError, match=f"token {vocabulary} is outside the vocabulary of {vocabulary}"):
         lean._native.token_step(vocabulary, cos, sin, kept_step_document(kv), keys, values, length, False)
-    with pytest.raises(RuntimeError, match="needs a Q8_0 head"):
+    with pytest.raises(RuntimeError, match="needs a Q8_0 or float32 head"):
         lean._native.token_step(0, cos, sin, kept_step_document(kv), keys, values, length, True)
     hidden = engine.model.config.hidden_size
     with pytest.raises(RuntimeError, match=f"x must hold {hidden} values, got {hidden + 32}"):
@@ -698,8 +700,9 @@ def test_int4_exact_answers_as_the_fp32_model_whose_weights_are_q4_1(tiny_llama,
         torch.testing.assert_close(converted.model.lm_head(x), x @ embedding.T, rtol=0, atol=1e-5)
 
 
-def test_native_step_is_only_for_int4_layers_on_their_codes(tiny_llama, monkeypatch):
-    """fp16 layers, and int4 layers that kept their decoded weights (no C++ kernels), have no C++ step."""
+def test_native_step_is_only_for_int4_layers_on_their_codes_and_fp32_layers(tiny_llama, monkeypatch):
+    """fp16 layers, and int4 layers that kept their decoded weights (no C++ kernels), have no C++ step; fp32
+    layers have one."""
     from semanticache_rag.fused import native_layers
 
     if not cpu_ops.available():
@@ -707,6 +710,7 @@ def test_native_step_is_only_for_int4_layers_on_their_codes(tiny_llama, monkeypa
     config = tiny_llama.config
     shape = (config.num_attention_heads, config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
     assert native_layers(convert_weights(copy.deepcopy(tiny_llama), "fp16"), *shape) is None
+    assert native_layers(convert_weights(copy.deepcopy(tiny_llama), "fp32"), *shape) is not None
     model = convert_weights(copy.deepcopy(tiny_llama), "int4")
     assert native_layers(model, *shape) is not None
     layer = model.model.layers[1].mlp.down_proj
