@@ -7,7 +7,8 @@ through fbgemm's packed product, int8, int4 with the GGUF's own codes and llama.
 int4-exact, the same codes in fp32 arithmetic), reading the same text once and, per cache (full, full with
 fp16 rows, SemantiCache 0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time, decode
 ms/token (median of ``--steps`` steps after a question), the bytes a step reads (weights + document cache)
-over the machine's measured read bandwidth (the floor), and the KL divergence of the next-token
+over the machine's measured read bandwidth (the floor: a sum over 512 MiB in huge pages, as the weights are
+kept; ordinary pages read ~20% slower), and the KL divergence of the next-token
 distributions to the fp32 full cache's, teacher-forced on its greedy answer.
 
     python -m benchmarks.speed [--lengths 2000 4000 7000] [--steps 32] [--no-llama-cpp] [--memory-only]
@@ -33,7 +34,9 @@ import torch
 from benchmarks.followup_latency import real_document
 from benchmarks.report import environment
 from semanticache_rag import Engine, make_compressor
-from semanticache_rag.kernels.bench_cpu import read_bandwidth  # the same 512 MiB sum the kernel's bench uses
+
+# the same 512 MiB sum the kernel's bench uses, in huge pages as the weights are
+from semanticache_rag.kernels.bench_cpu import bandwidth_sample, read_bandwidth
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.models import default_gguf
 from semanticache_rag.prompts import Turn
@@ -132,7 +135,7 @@ def decode(
 
 def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
     rows, reference = [], {}
-    sample = torch.ones(128 * 1024 * 1024)  # the bandwidth's 512 MiB, allocated once
+    sample = bandwidth_sample()  # the bandwidth's 512 MiB, allocated once
     for weights in formats:  # "model" first: its full cache is the reference of every KL
         engine = Engine.from_pretrained(weights=weights)
         step_weights = weight_bytes(engine.model)

@@ -292,14 +292,15 @@ def test_bad_weight_options_are_config_errors(tiny_llama):
 @pytest.mark.slow
 @needs_default_model
 def test_default_model_answers_as_the_fp32_model():
-    """fp16 weights (through the scripted step) and int4-exact ones (the GGUF's codes in fp32 arithmetic,
-    through the C++ step, and its Q8_0 head) keep the fp32 model's greedy answer, full cache and compressed."""
+    """fp16 weights (through the scripted step), int4-exact ones (the GGUF's codes in fp32 arithmetic,
+    through the C++ step, and its Q8_0 head) and fp32 ones (the model's own, through the C++ step with its tied
+    head) keep the fp32 model's greedy answer, full cache and compressed."""
     from semanticache_rag import make_compressor
 
     text = "The vault code for the east wing is 4417. " + "Nothing else happened. " * 40
     question = "What is the vault code for the east wing?"
     answers = {}
-    for kind in ("model", "fp16", "int4-exact"):
+    for kind in ("model", "fp16", "int4-exact", "fp32"):
         engine = Engine.from_pretrained(weights=kind)
         prefill = engine.prefill(text, progress=False, surprisal=True)
         for compression in (("none", None), ("semanticache", 0.75)):
@@ -313,7 +314,10 @@ def test_default_model_answers_as_the_fp32_model():
 
             assert lean._native is not None  # the C++ step, and the GGUF's Q8_0 head in fp32:
             assert isinstance(engine.model.lm_head, ExactGroupedInt8Linear)
-    assert answers["fp16"] == answers["model"] == answers["int4-exact"] and "4417" in answers["model"][0], answers
+        elif kind == "fp32" and cpu_ops.available():
+            assert lean._native is not None and lean._native.has_head()
+    assert answers["fp16"] == answers["model"] == answers["int4-exact"] == answers["fp32"], answers
+    assert "4417" in answers["model"][0], answers
 
 
 @pytest.mark.slow

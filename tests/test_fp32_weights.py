@@ -1,0 +1,97 @@
+"""weights="fp32": an fp32 model's own weights, its decoding steps in one C++ call (kernels/fp32_weights_cpu.cpp)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from semanticache_rag import Engine, make_compressor
+from semanticache_rag.errors import ConfigError
+from semanticache_rag.kernels import cpu_ops
+from semanticache_rag.weights import Fp32Linear, TiedFp32Linear, convert_weights
+
+
+def _kernels():
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+
+
+@pytest.mark.parametrize("out_features", [1, 17, 48])
+@pytest.mark.parametrize("in_features", [1, 15, 16, 17, 63, 64, 65, 100, 576])
+def test_one_row_product_is_the_fp64_product_to_fp32_rounding(in_features, out_features):
+    """Every input count (the vector loops' tails included) and output count (blocks of 16 shared out to
+    threads): within the bound of an fp32 sum of the products' magnitudes, as torch's own product is."""
+    _kernels()
+    g = torch.Generator().manual_seed(in_features * 100 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(in_features, generator=g) * 10.0 ** torch.randint(-2, 3, (in_features,), generator=g)
+    got = torch.ops.semanticache.fp32_row_product(x, weight)
+    exact = weight.double() @ x.double()
+    bound = 2 * in_features * torch.finfo(torch.float32).eps * (weight.double().abs() @ x.double().abs())
+    assert got.shape == (out_features,) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= bound + 1e-30).all(), float((got.double() - exact).abs().max())
+    assert ((weight @ x).double() - exact).abs().max() <= bound.max()  # the twin meets the same bound
+    with pytest.raises(RuntimeError, match=f"x must be a contiguous float32 row of {in_features} inputs"):
+        torch.ops.semanticache.fp32_row_product(torch.zeros(in_features + 1), weight)
+    with pytest.raises(RuntimeError, match="contiguous .out, in. float32"):
+        torch.ops.semanticache.fp32_row_product(x, weight.double())
+
+
+def test_fp32_layers_multiply_one_row_in_cpp_and_many_by_torch():
+    _kernels()
+    linear = torch.nn.Linear(96, 40, bias=True)
+    layer = Fp32Linear(linear)
+    assert layer.one_row and layer.weight.data_ptr() == linear.weight.data_ptr()  # not copied
+    x = torch.randn(5, 96)
+    want = linear(x).detach()
+    torch.testing.assert_close(layer.rows(x), want, rtol=0, atol=1e-5)
+    one = layer.rows(x[:1])
+    assert torch.equal(one[0], torch.ops.semanticache.fp32_row_product(x[0], layer.weight) + linear.bias)
+    torch.testing.assert_close(one, want[:1], rtol=0, atol=1e-5)
+
+
+def test_a_tied_head_stays_the_embedding_table_and_an_untied_one_is_an_fp32_layer(tiny_llama):
+    """The tied head is the embedding's own parameter after conversion (no second copy of the table); an untied
+    head becomes an fp32 layer of its own, its weights copied once."""
+    tied = copy.deepcopy(tiny_llama)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    tied.config.tie_word_embeddings = True
+    bytes_before = sum(t.numel() * t.element_size() for t in [*tied.parameters(), *tied.buffers()])
+    tied = convert_weights(tied, "fp32")
+    assert type(tied.lm_head) is TiedFp32Linear and tied.lm_head.weight is tied.model.embed_tokens.weight
+    stored = sum(t.numel() * t.element_size() for t in [*tied.parameters(), *tied.buffers()])
+    assert stored == bytes_before  # the layers' weights moved into buffers, none doubled
+    untied = convert_weights(copy.deepcopy(tiny_llama), "fp32")
+    assert type(untied.lm_head) is Fp32Linear
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_fp32_refuses_a_model_that_is_not_fp32_and_leaves_it_as_it_was(tiny_llama):
+    model = copy.deepcopy(tiny_llama).bfloat16()
+    with pytest.raises(ConfigError, match=r"weights='fp32' keeps an fp32 model's weights.*dtype=torch.float32"):
+        convert_weights(model, "fp32")
+    assert not hasattr(model, "semanticache_weights") and isinstance(
+        model.model.layers[0].mlp.down_proj, torch.nn.Linear
+    )
+
+
+def test_fp32_answers_as_the_model_token_for_token(tiny_llama, tiny_tokenizer):
+    """The same greedy tokens as the model as loaded (transformers' forward), full cache and compressed, the
+    steps in one C++ call with the tied head in it."""
+    _kernels()
+    model = copy.deepcopy(tiny_llama)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    original = Engine(copy.deepcopy(model), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    converted = Engine(convert_weights(model, "fp32"), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    text = "Alpha beta gamma delta. The code is 4417. " * 30
+    for compression in [("none", None), ("semanticache", 0.75), ("kaizen", 0.75)]:
+        answers = []
+        for engine in (original, converted):
+            cache = engine.compress(engine.prefill(text, progress=False, surprisal=True), make_compressor(*compression))
+            answers.append(engine.ask(cache, "Which code?", max_new_tokens=12).completion_ids)
+        assert answers[0] == answers[1], (compression, answers)
+    lean = converted.model.semanticache_forward
+    assert lean._native is not None and lean._native.has_head()
