@@ -4,7 +4,7 @@ Each operator in :data:`SCHEMAS` (``torch.ops.semanticache.<name>``, :func:`op`)
 its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod:`.decode_attention_ref`,
 ``unpack_q4_1``, ``q4_1_product`` (``int4_weights_cpu.cpp``), ``q4_1_product_fp32``
 (``int4_exact_weights_cpu.cpp``), ``q8_0_product``, ``q8_0_product_fp32`` and ``int8_row_product``
-(``q8_0_weights_cpu.cpp``) those of :mod:`.int4_weights_ref`,
+(``q8_0_weights_cpu.cpp``) and ``fp32_row_product`` (``fp32_weights_cpu.cpp``) those of :mod:`.int4_weights_ref`,
 ``greedy_seeds`` (``gsc_cpu.cpp``) that of :mod:`.gsc_ref`, ``rms_norm`` (``rms_norm_cpu.cpp``) that of
 :mod:`.rms_norm_ref`. The operators' schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
@@ -17,7 +17,7 @@ other versions' libraries are removed once unused for :data:`KEEP_DAYS` days bey
 ninja), the torch twins run and a warning says why, once.
 
 ``decoder_step_cpu.cpp`` adds two classes, ``torch.classes.semanticache.Int4Layers`` and
-``StepDocument``: an int4 model's decoding step in one call (:mod:`semanticache_rag.fused`). They are C++
+``StepDocument``: an int4 or fp32 model's decoding step in one call (:mod:`semanticache_rag.fused`). They are C++
 only, with no twin: without the library the scripted step runs instead.
 
 Set ``SEMANTICACHE_CPU_KERNEL=0`` to keep the torch twins.

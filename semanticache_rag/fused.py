@@ -99,7 +99,7 @@ class FusedLlama:
         self.dtype = model.model.embed_tokens.weight.dtype  # step() is written for fp32 models
         self._scripted: torch.jit.ScriptModule | None | bool = False  # scripted at the first step (scripted_step)
         self._kernel: bool | None = None  # whether steps attend through the C++ kernel; decided at the first step
-        self._native: object = False  # the C++ int4 step's weights (native_layers), made at the first step
+        self._native: object = False  # the C++ step's weights (native_layers), made at the first step
         self._rotations: dict = {}  # (block, dtype) -> cos and signed sin of its positions, the newest last
         # the one-token step's RMS norms (kernels/rms_norm_cpu.cpp once built: torch's costs ~26 us a row)
         from semanticache_rag.kernels import cpu_ops
@@ -194,8 +194,8 @@ class FusedLlama:
     def step(self, kv, input_ids: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """One decoding step: what :meth:`__call__` computes for a single new token, (1, 1, V) or (1, 1, hidden).
 
-        With int4 weights the whole step is one C++ call (:func:`native_layers`,
-        ``kernels/decoder_step_cpu.cpp``: the embedding row, the layers, the final norm and a Q8_0 head)
+        With int4 or fp32 weights the whole step is one C++ call (:func:`native_layers`,
+        ``kernels/decoder_step_cpu.cpp``: the embedding row, the layers, the final norm and a Q8_0 or fp32 head)
         where the kernels are built and the cache allows it; otherwise the layers are one TorchScript call
         (:mod:`.scripted_step`), or the Python loop below. All three compute the same operations in the
         same order (the C++ step's RoPE and residual adds to within a rounding; its final norm by the same
@@ -205,7 +205,7 @@ class FusedLlama:
         """
         core = self.model.model
         out = self._native_step(kv, int(input_ids), self._position(position_ids), head)
-        if out is not None:  # int4 weights: the whole step in one C++ call
+        if out is not None:  # int4 or fp32 weights: the whole step in one C++ call
             return out
         cos, sin = self._rotation(position_ids, self.dtype)
         x = core.embed_tokens(input_ids).view(1, -1)
@@ -229,8 +229,8 @@ class FusedLlama:
         return self(kv, torch.tensor([[token]], device=device), torch.tensor([[position]], device=device), 1, head)
 
     def _native_step(self, kv, token: int, position: int, head: bool) -> torch.Tensor | None:
-        """The step by the C++ int4 step (:func:`native_layers`: the embedding row, the layers, the final norm
-        and a Q8_0 head in one call), or ``None`` (nothing done) where it cannot take this model or cache."""
+        """The step by the C++ step (:func:`native_layers`: the embedding row, the layers, the final norm
+        and a Q8_0 or fp32 head in one call), or ``None`` (nothing done) where it cannot take this model or cache."""
         native = self._native_layers() if self._scripted_inputs(kv) else None
         document = scripted_step.kept_step_document(kv) if native is not None else None
         if document is None:
@@ -259,7 +259,7 @@ class FusedLlama:
         steps counted and per step the milliseconds of the whole C++ call (``step``), the attention of every
         layer, the rest of the layers (``products``: the weight products and the small row operations
         between them), the head, and the C++ call's own rest (``other``: the embedding row, checks, the final
-        norm). Empty where steps do not run in C++ (weights other than int4, no kernels)."""
+        norm). Empty where steps do not run in C++ (weights other than int4 and fp32, no kernels)."""
         native = self._native_layers()
         timings: dict = {}
         if native is None:

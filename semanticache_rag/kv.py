@@ -271,7 +271,7 @@ class ConversationKV(Cache):
         self._log_sizes: dict[int, torch.Tensor | None] = {}
         # the scripted decoding step's document inputs, made at its first step (semanticache_rag.fused)
         self.step_inputs: tuple | None = None
-        # the same inputs as the C++ int4 step holds them (torch.classes.semanticache.StepDocument), or False
+        # the same inputs as the C++ step holds them (torch.classes.semanticache.StepDocument), or False
         self.step_document: object = None
 
     def document_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -241,7 +241,7 @@ def kept_step_inputs(kv) -> tuple | None:
 
 
 def kept_step_document(kv):
-    """The document of ``kv`` as the C++ int4 step takes it (``torch.classes.semanticache.StepDocument``:
+    """The document of ``kv`` as the C++ step takes it (``torch.classes.semanticache.StepDocument``:
     per layer its rows or codes, scales, minimums and bits, its ``log s``), made at the first call and
     kept on it; ``None`` where the step cannot take it (a low-rank layer, or no :func:`step_inputs`)."""
     if kv.step_document is None:

@@ -1,4 +1,4 @@
-"""How a model's matrices are stored and multiplied on a CPU: as loaded, fp16, bf16, int8 or int4.
+"""How a model's matrices are stored and multiplied on a CPU: as loaded, fp32, fp16, bf16, int8 or int4.
 
 Answering a question is mostly decoding, and a decode step reads every weight once: with the
 default model's 135M parameters in fp32 that is 0.5 GB per token, far more than a compressed
@@ -6,6 +6,13 @@ document cache. :func:`convert_weights` swaps the decoder's ``nn.Linear`` module
 head) for weight-only low-precision ones; the residual stream, the norms, the KV cache and the
 attention stay in the model's dtype, only the weight products change:
 
+``"fp32"``
+    an fp32 model's own weights (:class:`Fp32Linear`; a tied head stays the embedding table itself): one row (a
+    decoding step) multiplied by ``fp32_row_product`` (``kernels/fp32_weights_cpu.cpp``), which streams each row
+    once at the memory's speed, many rows by torch's product. The model's arithmetic up to the order of the
+    sums, its memory too; what it adds to ``"model"`` (as loaded) is the lean step: on a Llama model every
+    decoding step is one C++ call (:mod:`.fused`), where transformers' forward took ~1.8x its time on the
+    default model (2 threads).
 ``"fp16"``
     fp16 weights in fbgemm's packed layout, multiplied by fp32 inputs with fp32 sums
     (``torch.ops.quantized.linear_dynamic_fp16``, what torch's dynamic fp16 quantisation runs): half
