@@ -1,5 +1,6 @@
-// Vectors of W float lanes for the CPU attention kernel (kernels/decode_attention_cpu.cpp, which alone
-// includes this): loads and stores, widening of codes, exp, lane reductions, half-precision conversion.
+// Vectors of W float lanes for the CPU attention kernel (kernels/decode_attention_cpu.cpp) and the fp32 rows'
+// product (kernels/fp32_weights_cpu.cpp): loads and stores, widening of codes, exp, lane reductions,
+// half-precision conversion.
 #pragma once
 
 #if defined(__AVX512F__) || defined(__AVX2__)
