@@ -135,8 +135,9 @@ class EngineSettings(BaseModel):
     weights: str = Field(
         default="auto",
         description="'auto' (int4-exact for a Llama model whose weights are Q4_1 values, as the default model's; "
-        "else as loaded), 'model' (as loaded), 'fp32' (an fp32 Llama model's own weights, its decoding steps in "
-        "one C++ call), or 'fp16' / 'bf16' / 'int8' / 'int4' / 'int4-exact' weight-only ones: faster on CPUs.",
+        "'fp32' for another fp32 Llama model; else as loaded), 'model' (as loaded), 'fp32' (an fp32 Llama model's "
+        "own weights, its decoding steps in one C++ call), or 'fp16' / 'bf16' / 'int8' / 'int4' / 'int4-exact' "
+        "weight-only ones: faster on CPUs.",
     )
     store: bool | str = Field(
         default=False,

@@ -258,12 +258,12 @@ def _add_common(
     p.add_argument(
         "--weights",
         default=weights,
-        help="auto (int4-exact for a Llama model whose weights are Q4_1 values, as the default model's; else as "
-        "loaded), model (as loaded), fp32 (an fp32 Llama model's own weights, each decoding step one C++ call: "
-        "its answers, ~1.8x faster than as loaded), or fp16, bf16, int8 or int4 weight-only ones: 2-4x faster "
-        "decoding on CPUs, slightly different answers (fp16: the fastest on CPUs without AVX-512, answers closest "
-        "to fp32; int4 keeps the default model's GGUF codes and llama.cpp's arithmetic; int4-exact: the same codes "
-        "in fp32 arithmetic, "
+        help="auto (int4-exact for a Llama model whose weights are Q4_1 values, as the default model's; fp32 for "
+        "another fp32 Llama model; else as loaded), model (as loaded), fp32 (an fp32 Llama model's own weights, "
+        "each decoding step one C++ call: its answers, ~1.8x faster than as loaded), or fp16, bf16, int8 or int4 "
+        "weight-only ones: 2-4x faster decoding on CPUs, slightly different answers (fp16: the fastest on CPUs "
+        "without AVX-512, answers closest to fp32; int4 keeps the default model's GGUF codes and llama.cpp's "
+        "arithmetic; int4-exact: the same codes in fp32 arithmetic, "
         f"the fp32 model's answers) (default: {weights})",
     )
     p.add_argument(

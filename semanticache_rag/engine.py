@@ -131,8 +131,9 @@ class Engine:
         """Load ``model`` (default: SmolLM2-135M-Instruct) and build an engine around it.
 
         ``weights``: ``"auto"`` (the default: ``"int4-exact"`` for a Llama model whose weights are Q4_1 values, as
-        the default model's, which decodes 3-7x faster with the fp32 model's arithmetic; else as loaded),
-        ``"model"`` (as loaded), or ``"fp16"`` / ``"bf16"`` / ``"int8"`` / ``"int4"`` / ``"int4-exact"``
+        the default model's, which decodes 3-7x faster with the fp32 model's arithmetic; ``"fp32"`` for another
+        fp32 Llama model: its own weights, each decoding step one C++ call; else as loaded), ``"model"`` (as
+        loaded), or ``"fp32"`` / ``"fp16"`` / ``"bf16"`` / ``"int8"`` / ``"int4"`` / ``"int4-exact"``
         weight-only matrices for faster decoding on CPUs (see :mod:`semanticache_rag.weights`).
         ``kwargs`` are the constructor's (``store=DocumentStore()`` keeps document caches on disk).
         """

@@ -149,11 +149,11 @@ def load_model(
 ):
     """Load ``(model, tokenizer, model_name)`` with the package's attention function registered.
 
-    ``weights`` stores the matrices as loaded (``"model"``) or as ``"fp16"``, ``"bf16"``, ``"int8"``,
-    ``"int4"`` or ``"int4-exact"`` weight-only ones for faster decoding on CPUs (:mod:`semanticache_rag.weights`);
-    ``"auto"`` (the default) is ``"int4-exact"`` for a Llama model whose weights are Q4_1 values (the default
-    model), else
-    ``"model"``.
+    ``weights`` stores the matrices as loaded (``"model"``), keeps an fp32 model's own in the lean decoding step
+    (``"fp32"``) or makes ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"`` or ``"int4-exact"`` weight-only ones for
+    faster decoding on CPUs (:mod:`semanticache_rag.weights`); ``"auto"`` (the default) is ``"int4-exact"`` for a
+    Llama model whose weights are Q4_1 values (the default model), ``"fp32"`` for another fp32 Llama model on the
+    CPU, else ``"model"``.
 
     Raises
     ------

@@ -50,7 +50,8 @@ attention stay in the model's dtype, only the weight products change:
 ``"auto"``
     ``"int4-exact"`` where that is the model's own arithmetic on its own weights (an fp32 Llama model on the
     CPU whose decoder matrices are all Q4_1 values exactly, as the default model's; the C++ kernels built),
-    else ``"model"``: :func:`~semanticache_rag.gguf_codes.auto_weights`. The default of
+    ``"fp32"`` for another fp32 Llama model on the CPU (the kernels built), else ``"model"``:
+    :func:`~semanticache_rag.gguf_codes.auto_weights`. The default of
     :meth:`~semanticache_rag.Engine.from_pretrained`, the command line and the adapters.
 
 Which product runs depends on the format and the rows (C++ kernels from ``kernels/int4_weights_cpu.cpp``,

@@ -1,4 +1,5 @@
-"""weights="auto": int4-exact where the weights are Q4_1 values (the default model), else as loaded."""
+"""weights="auto": for an fp32 Llama model on the CPU, int4-exact where the weights are Q4_1 values (the default
+model), else fp32 (its own weights, decoding steps in C++); any other model as loaded."""
 
 from __future__ import annotations
 
@@ -45,11 +46,16 @@ def test_q4_1_values_are_found_exactly_and_nothing_else_is():
     assert not is_q4_1(torch.randn(32, 96)) and not is_q4_1(weight[:, :80]) and not is_q4_1(weight.bfloat16())
 
 
-def test_auto_keeps_other_weights_as_loaded(tiny_llama, tiny_model_dir, caplog):
+def test_auto_takes_fp32_for_other_weights_and_keeps_other_models_as_loaded(tiny_llama, tiny_model_dir, caplog):
+    from semanticache_rag.weights import Fp32Linear
+
     with caplog.at_level(logging.INFO, logger="semanticache_rag.gguf_codes"):
         model, _, _ = load_model(str(tiny_model_dir))  # the default: "auto"
-    assert getattr(model, "semanticache_weights", "model") == "model"
-    assert "as loaded (its weights are not Q4_1 values)" in caplog.text
+    if cpu_ops.available():
+        assert model.semanticache_weights == "fp32" and isinstance(model.model.layers[0].mlp.down_proj, Fp32Linear)
+        assert "fp32 (its weights are not Q4_1 values" in caplog.text
+    else:
+        assert getattr(model, "semanticache_weights", "model") == "model"
     q4 = as_q4_1_model(tiny_llama).bfloat16()
     assert convert_weights(q4, "auto") is q4 and not hasattr(q4, "semanticache_weights")  # not fp32: as loaded
 
@@ -71,11 +77,12 @@ def test_auto_takes_int4_exact_where_the_weights_are_q4_1_values_with_the_same_a
     assert answers[0] == answers[1]
 
 
-def test_auto_keeps_as_loaded_a_model_q4_1_but_for_one_matrix_and_one_without_the_kernels(tiny_llama, monkeypatch):
+def test_auto_takes_fp32_for_a_model_q4_1_but_for_one_matrix_and_keeps_one_without_the_kernels(tiny_llama, monkeypatch):
     partly = as_q4_1_model(tiny_llama)
     with torch.no_grad():
         partly.model.layers[1].mlp.down_proj.weight[3, 7] += 1e-3
-    assert convert_weights(partly, "auto") is partly and not hasattr(partly, "semanticache_weights")
+    want = "fp32" if cpu_ops.available() else "model"
+    assert getattr(convert_weights(partly, "auto"), "semanticache_weights", "model") == want
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     q4 = as_q4_1_model(tiny_llama)
     assert convert_weights(q4, "auto") is q4 and not hasattr(q4, "semanticache_weights")
