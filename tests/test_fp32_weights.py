@@ -95,3 +95,24 @@ def test_fp32_answers_as_the_model_token_for_token(tiny_llama, tiny_tokenizer):
         assert answers[0] == answers[1], (compression, answers)
     lean = converted.model.semanticache_forward
     assert lean._native is not None and lean._native.has_head()
+
+
+def test_a_model_with_biases_keeps_the_scripted_step_and_its_answers(tiny_tokenizer):
+    """Projections with a bias (Llama's attention_bias / mlp_bias) are fp32 layers that add it; the C++ step does
+    not take them, so the scripted step decodes, with the same greedy tokens as the model as loaded."""
+    from conftest import _tiny_model
+
+    model = _tiny_model("llama", len(tiny_tokenizer), attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for linear in (m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None):
+            linear.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(linear.out_features))
+    original = Engine(copy.deepcopy(model), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    converted = Engine(convert_weights(model, "fp32"), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    text = "Alpha beta gamma delta. The code is 4417. " * 30
+    answers = []
+    for engine in (original, converted):
+        cache = engine.compress(engine.prefill(text, progress=False, surprisal=True), make_compressor("kaizen", 0.75))
+        answers.append(engine.ask(cache, "Which code?", max_new_tokens=12).completion_ids)
+    assert answers[0] == answers[1]
+    assert converted.model.semanticache_forward._native is None  # refused: the step takes no biases
+    assert isinstance(converted.model.model.layers[0].self_attn.qkv_proj, Fp32Linear)
