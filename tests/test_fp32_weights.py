@@ -116,3 +116,27 @@ def test_a_model_with_biases_keeps_the_scripted_step_and_its_answers(tiny_tokeni
     assert answers[0] == answers[1]
     assert converted.model.semanticache_forward._native is None  # refused: the step takes no biases
     assert isinstance(converted.model.model.layers[0].self_attn.qkv_proj, Fp32Linear)
+
+
+def test_packing_lets_each_buffer_go_as_its_copy_is_placed():
+    """huge_pages.pack_buffers moves a module's buffer into the block and lets the original go before the next one
+    is copied, so a conversion does not hold its weights twice; a buffer shared by two modules stays shared."""
+    import weakref
+
+    from semanticache_rag import huge_pages
+
+    made = [torch.full((1000,), float(i)) for i in range(3)]
+    refs = [weakref.ref(t) for t in made]
+    seen = []
+    copies = huge_pages.pack(
+        (made.pop(0) for _ in range(3)), lambda i, copy: seen.append((i, refs[i]() is None, float(copy[0])))
+    )
+    assert seen == [(0, True, 0.0), (1, True, 1.0), (2, True, 2.0)] and [float(c[-1]) for c in copies] == [0, 1, 2]
+    first, second = torch.nn.Module(), torch.nn.Module()
+    shared = torch.arange(64, dtype=torch.float32)
+    first.register_buffer("weight", shared)
+    second.register_buffer("weight", shared)
+    original = weakref.ref(shared)
+    del shared
+    assert huge_pages.pack_buffers([first, second]) == 64 * 4
+    assert first.weight is second.weight and torch.equal(first.weight, torch.arange(64.0)) and original() is None
