@@ -34,9 +34,7 @@ import torch
 from benchmarks.followup_latency import real_document
 from benchmarks.report import environment
 from semanticache_rag import Engine, make_compressor
-
-# the same 512 MiB sum the kernel's bench uses, in huge pages as the weights are
-from semanticache_rag.kernels.bench_cpu import bandwidth_sample, read_bandwidth
+from semanticache_rag.kernels.bench_cpu import bandwidth_sample, read_bandwidth  # the kernel bench's 512 MiB sum
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.models import default_gguf
 from semanticache_rag.prompts import Turn

@@ -409,10 +409,10 @@ struct Int4Layers : torch::CustomClassHolder {
     // this thread's share of the output blocks (16 outputs each) of row (in,) times p, each as
     // q4_1_product(_fp32) or fp32_row_product computes it
     void product(const Product& p, const float* row, int64_t in, float* out) {
+      const int64_t outputs = p.out_features(), blocks = (outputs + 15) / 16, share = (blocks + threads - 1) / threads;
+      const int64_t begin = std::min(blocks, thread * share), end = std::min(blocks, begin + share);
       if (p.is_dense()) {
-        const int64_t blocks = (p.dense.out_features + 15) / 16, share = (blocks + threads - 1) / threads;
-        const int64_t begin = std::min(p.dense.out_features, 16 * thread * share);
-        semanticache::dense_outputs(p.dense, row, out, begin, std::min(p.dense.out_features, begin + 16 * share));
+        semanticache::dense_outputs(p.dense, row, out, 16 * begin, std::min(outputs, 16 * end));
         return;
       }
       const semanticache::Q4Weights& w = p.q4;
@@ -421,8 +421,6 @@ struct Int4Layers : torch::CustomClassHolder {
       } else {
         semanticache::quantise_rows(row, 1, in, codes);
       }
-      const int64_t share = (w.blocks + threads - 1) / threads, begin = thread * share;
-      const int64_t end = std::min(w.blocks, begin + share);
       if (begin >= end) return;
       if (model.fp32_rows) {
         semanticache::q4_1_blocks_fp32(w, row, 1, split.sums.data(), out, begin, end,

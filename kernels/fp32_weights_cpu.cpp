@@ -32,31 +32,18 @@ namespace {
 using semanticache::cpu::load, semanticache::cpu::sum_lanes, semanticache::cpu::vf, semanticache::cpu::W;
 using semanticache::weights::PREFETCH;
 
-// a * b + c in one rounding a lane (GCC's vector extensions leave them two under -std=c++17)
-inline vf fused(vf a, vf b, vf c) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  vf out;
-  for (int64_t lane = 0; lane < W; ++lane) out[lane] = std::fma(a[lane], b[lane], c[lane]);
-  return out;
-#endif
-}
-
 // sum over k < count of row[k] * x[k]: four sums of W lanes, the lines PREFETCH bytes ahead asked for once each
 inline float dot(const float* row, const float* x, int64_t count) {
   int64_t k = 0;
   vf a0{}, a1{}, a2{}, a3{};
   for (; k + 4 * W <= count; k += 4 * W) {
     for (int64_t line = 0; line < 4 * W / 16; ++line) __builtin_prefetch(row + k + PREFETCH / 4 + 16 * line);
-    a0 = fused(load(row + k), load(x + k), a0);
-    a1 = fused(load(row + k + W), load(x + k + W), a1);
-    a2 = fused(load(row + k + 2 * W), load(x + k + 2 * W), a2);
-    a3 = fused(load(row + k + 3 * W), load(x + k + 3 * W), a3);
+    a0 += load(row + k) * load(x + k);  // one multiply-add each (the build contracts them, as the kernels' sums)
+    a1 += load(row + k + W) * load(x + k + W);
+    a2 += load(row + k + 2 * W) * load(x + k + 2 * W);
+    a3 += load(row + k + 3 * W) * load(x + k + 3 * W);
   }
-  for (; k + W <= count; k += W) a0 = fused(load(row + k), load(x + k), a0);
+  for (; k + W <= count; k += W) a0 += load(row + k) * load(x + k);
   float total = sum_lanes((a0 + a1) + (a2 + a3));
   for (; k < count; ++k) total = std::fma(row[k], x[k], total);
   return total;

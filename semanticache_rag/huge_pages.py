@@ -53,23 +53,21 @@ def pack(
 
     The copies are views of their block: ``torch.save`` of one of them writes the whole block, and
     safetensors refuses tensors that share a storage; ``.clone()`` one to save it alone."""
-    originals: list[torch.Tensor | None] = list(tensors)
-    dtypes = [t.dtype for t in originals if t is not None]
-    copies: list[torch.Tensor | None] = [None] * len(originals)
-    for dtype in dict.fromkeys(dtypes):
-        members = [i for i, t in enumerate(originals) if t is not None and t.dtype == dtype]
-        sizes = [originals[i].numel() * originals[i].element_size() for i in members]  # type: ignore[union-attr]
+    originals = dict(enumerate(tensors))
+    layout = {i: (t.dtype, t.shape, t.numel() * t.element_size()) for i, t in originals.items()}
+    copies: dict[int, torch.Tensor] = {}
+    for dtype in dict.fromkeys(kind for kind, _, _ in layout.values()):
+        members = [i for i, (kind, _, _) in layout.items() if kind == dtype]
         offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + -(-size // ALIGN) * ALIGN)
+        for i in members:
+            offsets.append(offsets[-1] + -(-layout[i][2] // ALIGN) * ALIGN)
         memory = block(offsets[-1])
-        for i, offset, size in zip(members, offsets, sizes):
-            copy = memory[offset : offset + size].view(dtype).view(originals[i].shape)  # type: ignore[union-attr]
-            copies[i] = copy.copy_(originals[i])  # type: ignore[arg-type]
-            originals[i] = None
+        for i, offset in zip(members, offsets):
+            _, shape, size = layout[i]
+            copies[i] = memory[offset : offset + size].view(dtype).view(shape).copy_(originals.pop(i))
             if placed is not None:
-                placed(i, copy)
-    return copies  # type: ignore[return-value]
+                placed(i, copies[i])
+    return [copies[i] for i in range(len(layout))]
 
 
 #: bytes of buffers :func:`pack_buffers` moves between two :func:`release_freed_memory` calls
@@ -91,20 +89,21 @@ def pack_buffers(modules: Iterable[nn.Module], skip: frozenset[str] = frozenset(
                 continue
             holders.setdefault(id(buffer), []).append((module, name))
             unique.setdefault(id(buffer), buffer)
-    order, moved = list(unique), [0, 0]  # bytes in all, bytes since the last trim
+    order = list(unique)
+    moved = untrimmed = 0  # bytes moved in all, and since the last release_freed_memory
 
     def placed(i: int, copy: torch.Tensor) -> None:
+        nonlocal moved, untrimmed
         for module, name in holders[order[i]]:
             module._buffers[name] = copy
-        size = copy.numel() * copy.element_size()
-        moved[0] += size
-        moved[1] += size
-        if moved[1] >= TRIM_EVERY:
+        moved += copy.numel() * copy.element_size()
+        untrimmed += copy.numel() * copy.element_size()
+        if untrimmed >= TRIM_EVERY:
             release_freed_memory()
-            moved[1] = 0
+            untrimmed = 0
 
     pack((unique.pop(key) for key in order), placed)
-    return moved[0]
+    return moved
 
 
 def release_freed_memory() -> None:
