@@ -407,8 +407,8 @@ def convert_weights(model: Any, weights: str) -> Any:
         raise ConfigError(
             f"weights={weights!r} runs on CPUs; on {device.type} load the model with dtype=torch.bfloat16"
         )
-    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)}
-    if weights == "fp32" and dtypes - {torch.float32}:
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)} if weights == "fp32" else set()
+    if dtypes - {torch.float32}:
         raise ConfigError(
             f"weights='fp32' keeps an fp32 model's weights; this one's are {sorted(map(str, dtypes))}: load the "
             "model with dtype=torch.float32, or use weights='bf16'"
@@ -441,8 +441,8 @@ def _head_kind(model: Any, head: Any, weights: str) -> type[_WeightOnlyLinear] |
     (``model.semanticache_reading_head``)."""
     head_kind: type[_WeightOnlyLinear] | None = _HEAD_KINDS[weights]
     tied = head is not None and _tied_head(model, head)
-    if weights == "fp32":
-        return TiedFp32Linear if tied else Fp32Linear
+    if weights == "fp32":  # a tied head stays the embedding's own parameter (no reading head of its own)
+        return TiedFp32Linear if tied else head_kind
     if weights.startswith("int4") and tied and not cpu_ops.available():
         return None  # Q8_0's product is C++: without it the head stays the tied embedding table, as loaded
     if (
