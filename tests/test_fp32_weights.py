@@ -140,3 +140,28 @@ def test_packing_lets_each_buffer_go_as_its_copy_is_placed():
     del shared
     assert huge_pages.pack_buffers([first, second]) == 64 * 4
     assert first.weight is second.weight and torch.equal(first.weight, torch.arange(64.0)) and original() is None
+
+
+def test_the_cpp_step_refuses_fp32_parts_that_do_not_fit(tiny_llama):
+    """An fp32 product given scales, and an fp32 head whose rows are not the hidden size, are refused when the step
+    takes them, saying what was wrong."""
+    from semanticache_rag.fused import native_layers
+
+    _kernels()
+    model = convert_weights(copy.deepcopy(tiny_llama), "fp32")
+    config = model.config
+    shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    native = native_layers(model, *shape)
+    assert native is not None
+    layer, empty = model.model.layers[0], torch.empty(0)
+    attention, mlp = layer.self_attn, layer.mlp
+    tensors = [layer.input_layernorm.weight, attention.qkv_proj.weight, torch.ones(1), empty]  # qkv given scales
+    tensors += [attention.o_proj.weight, empty, empty, layer.post_attention_layernorm.weight]
+    tensors += [mlp.gate_up_proj.weight, empty, empty, mlp.down_proj.weight, empty, empty]
+    with pytest.raises(RuntimeError, match="a float32 product takes no scales or minimums"):
+        torch.classes.semanticache.Int4Layers(tensors, [1e-5, 1e-5], *shape, 0.25, True)
+    tensors[2] = empty  # and the same layer as it should be is taken
+    assert torch.classes.semanticache.Int4Layers(tensors, [1e-5, 1e-5], *shape, 0.25, True) is not None
+    embedding, hidden = model.model.embed_tokens.weight, config.hidden_size
+    with pytest.raises(RuntimeError, match=rf"a float32 head must be \(V, {hidden}\) with no scales"):
+        native.set_ends(embedding, model.model.norm.weight, 1e-5, torch.zeros(8, hidden + 1), torch.empty(0))
