@@ -35,7 +35,19 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
+// x in every lane: one broadcast (from memory where x is loaded: an embedded broadcast of a multiply-add);
+// `vf{} + x` added 0 first, a scalar add before every broadcast
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  vf v;
+  for (int64_t k = 0; k < W; ++k) v[k] = x;
+  return v;
+#endif
+}
 
 // W bytes as W int32 lanes (GCC 12 turns the generic conversion into scalar code; x86 has it in one
 // instruction)
