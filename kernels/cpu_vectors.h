@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -149,6 +150,29 @@ inline __attribute__((always_inline)) vf reduce_lanes(const vf* a) {
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 #endif
+
+// The index of the largest of x[0, n) (n >= 1), the first of equal ones, a NaN counting as the largest (the first
+// NaN): torch.argmax's choice, a greedy step's next token. The largest by vectors, then its first place.
+inline int64_t first_largest(const float* x, int64_t n) {
+  vf top = splat(-INFINITY);
+  vi unordered = vi{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const vf v = load(x + i);
+    top = v > top ? v : top;
+    unordered |= v != v;
+  }
+  float largest = max_lane(top);
+  bool nan = false;
+  for (int64_t k = 0; k < W; ++k) nan = nan || unordered[k] != 0;
+  for (; i < n; ++i) {
+    nan = nan || x[i] != x[i];
+    largest = std::max(largest, x[i]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (nan ? x[j] != x[j] : x[j] == largest) return j;
+  return 0;
+}
 
 // IEEE half to float: F16C's conversion where there is one, otherwise integer and float operations
 // (the conversion of Maratyszcza's FP16 library, which c10::Half also uses; exact for every input).

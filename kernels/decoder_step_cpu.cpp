@@ -47,6 +47,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "cpu_vectors.h"
 
 #include <omp.h>
 
@@ -259,6 +260,16 @@ struct Int4Layers : torch::CustomClassHolder {
       times[TOKEN_STEP] += seconds_since(started);
     }
     return out;
+  }
+
+  // token_step with its head, and the token of the largest logit (cpu::first_largest: torch.argmax's choice), a
+  // greedy step's next token, taken while the head's logits are still cached: in Python their argmax took ~0.13 ms
+  // of a 6 ms step.
+  int64_t greedy_step(int64_t token, const at::Tensor& cos, const at::Tensor& sin,
+                      const c10::intrusive_ptr<StepDocument>& document, const std::vector<at::Tensor>& appended_keys,
+                      const std::vector<at::Tensor>& appended_values, int64_t length) const {
+    const at::Tensor logits = token_step(token, cos, sin, document, appended_keys, appended_values, length, true);
+    return semanticache::cpu::first_largest(logits.const_data_ptr<float>(), logits.numel());
   }
 
   at::Tensor token_step_(int64_t token, const at::Tensor& cos, const at::Tensor& sin,
@@ -489,6 +500,7 @@ TORCH_LIBRARY_FRAGMENT(semanticache, m) {
       .def("set_ends", &Int4Layers::set_ends)
       .def("has_head", &Int4Layers::has_head)
       .def("token_step", &Int4Layers::token_step)
+      .def("greedy_step", &Int4Layers::greedy_step)
       .def("set_timing", &Int4Layers::set_timing)
       .def("timings", &Int4Layers::timings);
 }

@@ -160,9 +160,9 @@ class Conversation:
         self._tail_ids = list(tail)
         self._squeeze()
         first = time.perf_counter()
-        finish, generated = "length", 0
+        finish, generated, chosen = "length", 0, None
         for _ in range(min(opts.max_new_tokens, budget)):
-            token = sampler(logits, stream.ids)
+            token = sampler(logits, stream.ids) if chosen is None else chosen
             generated += 1
             if token in eos:
                 finish = "stop"
@@ -173,7 +173,11 @@ class Conversation:
             if stream.stopped:
                 finish = stream.reason
                 break
-            logits = engine.forward(self.kv, [token], self.cache.positions + len(self._tail_ids))[-1]
+            position = self.cache.positions + len(self._tail_ids)
+            if sampler.argmax_only:  # the next token chosen where the logits are made
+                chosen = engine.greedy(self.kv, token, position)
+            else:
+                logits = engine.forward(self.kv, [token], position)[-1]
             self._tail_ids.append(token)
             self._squeeze()
         rest = stream.flush()

@@ -165,6 +165,18 @@ class Engine:
         """Run ``ids`` at positions ``start...`` appending to ``kv``; return their last logits (K, V)."""
         return self._run(kv, ids, start, logits_to_keep, head=True)
 
+    def greedy(self, kv: ConversationKV, token: int, position: int) -> int:
+        """Run ``token`` at ``position`` appending to ``kv``; return the token of its largest logit (greedy
+        decoding's next, as ``forward(...)[-1].argmax()`` chooses it). Where the step runs in one C++ call with
+        its head, the choice is made there and the logits never reach Python."""
+        lean = getattr(self.model, "semanticache_forward", None)
+        if lean is not None:
+            with self._lock, torch.inference_mode():
+                chosen = lean.greedy_token(kv, token, position)
+            if chosen is not None:
+                return chosen
+        return int(self.forward(kv, [token], position)[-1].argmax())
+
     def _run(self, kv: ConversationKV, ids: list[int], start: int, keep: int, head: bool) -> torch.Tensor:
         """:meth:`forward`; with ``head=False`` the last ``keep`` final hidden states (K, hidden) instead of logits.
 

@@ -235,13 +235,33 @@ class FusedLlama:
         document = scripted_step.kept_step_document(kv) if native is not None else None
         if document is None:
             return None
-        cos, sin = self._rotation_at(position, self.dtype)
-        appended_keys, appended_values, length = kv.buffers(1)
         in_step = head and native.has_head()
-        out = native.token_step(token, cos, sin, document, appended_keys, appended_values, length, in_step)
-        kv.extend(1)
+        out = self._call_native(native.token_step, kv, token, position, document, in_step)
         out = out.view(1, 1, -1)
         return self.model.lm_head(out) if head and not in_step else out
+
+    def greedy_token(self, kv, token: int, position: int) -> int | None:
+        """One decoding step for ``token`` at ``position`` and the token of its largest logit (``argmax``: greedy
+        decoding's next), where the whole step with its head is one C++ call: the logits stay in C++. ``None``
+        (nothing done) otherwise."""
+        if kv.observe is not None or self.dtype != torch.float32:
+            return None
+        native = self._native_layers() if self._scripted_inputs(kv) else None
+        if native is None or not native.has_head():
+            return None
+        document = scripted_step.kept_step_document(kv)
+        if document is None:
+            return None
+        return self._call_native(native.greedy_step, kv, token, position, document)
+
+    def _call_native(self, method, kv, token: int, position: int, document, *head):
+        """``method`` of the C++ step (``token_step`` or ``greedy_step``) for ``token`` at ``position``, its key
+        and value written into ``kv``'s buffers and counted."""
+        cos, sin = self._rotation_at(position, self.dtype)
+        appended_keys, appended_values, length = kv.buffers(1)
+        out = method(token, cos, sin, document, appended_keys, appended_values, length, *head)
+        kv.extend(1)
+        return out
 
     def kernel(self) -> bool:
         """Whether decoding steps attend through the C++ kernel (:mod:`~semanticache_rag.kernels.cpu_ops`):

@@ -93,6 +93,12 @@ class Sampler:
         else:
             self.generator.seed()
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every choice is the largest logit's token, whatever came before (greedy, no processors): a
+        step may then choose it where the logits are made (:meth:`~semanticache_rag.engine.Engine.greedy`)."""
+        return self.greedy and not self.processors
+
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """``logits`` (V,) of the last position, ``history`` the answer's tokens so far -> token id."""
         if self.processors:
