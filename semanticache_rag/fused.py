@@ -221,20 +221,32 @@ class FusedLlama:
         """:meth:`__call__` for one token at one position, given as ints (a decoding step): where the step runs
         in one C++ call, no tensor is made for them (each Python operation left in a step costs ~5x its
         cache-warm time there, after the weights have streamed through the caches)."""
-        if kv.observe is None and self.dtype == torch.float32:
+        if self._plain_step(kv):
             out = self._native_step(kv, token, position, head)
             if out is not None:
                 return out
         device = self.model.model.embed_tokens.weight.device
         return self(kv, torch.tensor([[token]], device=device), torch.tensor([[position]], device=device), 1, head)
 
+    def _plain_step(self, kv) -> bool:
+        """Whether a decoding step on ``kv`` may skip the forward pass: no compressor observes its queries, and the
+        model is fp32 (the C++ step's arithmetic)."""
+        return kv.observe is None and self.dtype == torch.float32
+
+    def _native_for(self, kv) -> tuple | None:
+        """The C++ step's weights (:func:`native_layers`) and ``kv``'s document as it takes them, or ``None`` where
+        it cannot take this model or cache."""
+        native = self._native_layers() if self._scripted_inputs(kv) else None
+        document = scripted_step.kept_step_document(kv) if native is not None else None
+        return None if document is None else (native, document)
+
     def _native_step(self, kv, token: int, position: int, head: bool) -> torch.Tensor | None:
         """The step by the C++ step (:func:`native_layers`: the embedding row, the layers, the final norm
         and a Q8_0 or fp32 head in one call), or ``None`` (nothing done) where it cannot take this model or cache."""
-        native = self._native_layers() if self._scripted_inputs(kv) else None
-        document = scripted_step.kept_step_document(kv) if native is not None else None
-        if document is None:
+        parts = self._native_for(kv)
+        if parts is None:
             return None
+        native, document = parts
         in_step = head and native.has_head()
         out = self._call_native(native.token_step, kv, token, position, document, in_step)
         out = out.view(1, 1, -1)
@@ -244,14 +256,10 @@ class FusedLlama:
         """One decoding step for ``token`` at ``position`` and the token of its largest logit (``argmax``: greedy
         decoding's next), where the whole step with its head is one C++ call: the logits stay in C++. ``None``
         (nothing done) otherwise."""
-        if kv.observe is not None or self.dtype != torch.float32:
+        parts = self._native_for(kv) if self._plain_step(kv) else None
+        if parts is None or not parts[0].has_head():
             return None
-        native = self._native_layers() if self._scripted_inputs(kv) else None
-        if native is None or not native.has_head():
-            return None
-        document = scripted_step.kept_step_document(kv)
-        if document is None:
-            return None
+        native, document = parts
         return self._call_native(native.greedy_step, kv, token, position, document)
 
     def _call_native(self, method, kv, token: int, position: int, document, *head):
