@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from tests_support import q8_0_weights
+from tests_support import q8_0_weights, tie_head
 
 from semanticache_rag import Engine, scripted_step
 from semanticache_rag.kernels import cpu_ops
@@ -190,8 +190,7 @@ def test_native_step_is_the_scripted_step_token_for_token(tiny_llama, tiny_token
     model = copy.deepcopy(tiny_llama)
     with torch.no_grad():  # a tied table of Q8_0 values, as the default model's: a Q8_0 head of either kind
         model.model.embed_tokens.weight.copy_(q8_0_weights(*model.model.embed_tokens.weight.shape, seed=11))
-    model.lm_head.weight = model.model.embed_tokens.weight
-    model.config.tie_word_embeddings = True
+    tie_head(model)
     engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, weights)
     lean = engine.model.semanticache_forward
     # int4 (llama.cpp's arithmetic) scores coded keys against the query rounded to Q8_0 in all three steps
@@ -245,8 +244,7 @@ def test_timed_native_steps_say_where_their_time_goes(tiny_llama, tiny_tokenizer
     model = copy.deepcopy(tiny_llama)
     with torch.no_grad():  # a tied Q8_0 head, as the default model's: computed in the C++ call
         model.model.embed_tokens.weight.copy_(q8_0_weights(*model.model.embed_tokens.weight.shape, seed=11))
-    model.lm_head.weight = model.model.embed_tokens.weight
-    model.config.tie_word_embeddings = True
+    tie_head(model)
     engine, prefill, decode = _scripted_and_python_steps(model, tiny_tokenizer, "int4")
     cache = engine.compress(prefill, make_compressor("kaizen", 0.6, options=("int4",)))
     untimed, _ = decode(cache, scripted=False, native=True)

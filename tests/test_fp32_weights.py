@@ -6,16 +6,11 @@ import copy
 
 import pytest
 import torch
+from tests_support import needs_cpu_kernels, tie_head
 
 from semanticache_rag import Engine, make_compressor
 from semanticache_rag.errors import ConfigError
-from semanticache_rag.kernels import cpu_ops
 from semanticache_rag.weights import Fp32Linear, TiedFp32Linear, convert_weights
-
-
-def _kernels():
-    if not cpu_ops.available():
-        pytest.skip("the CPU kernels could not be built here")
 
 
 @pytest.mark.parametrize("out_features", [1, 17, 48])
@@ -23,7 +18,7 @@ def _kernels():
 def test_one_row_product_is_the_fp64_product_to_fp32_rounding(in_features, out_features):
     """Every input count (the vector loops' tails included) and output count (blocks of 16 shared out to
     threads): within the bound of an fp32 sum of the products' magnitudes, as torch's own product is."""
-    _kernels()
+    needs_cpu_kernels()
     g = torch.Generator().manual_seed(in_features * 100 + out_features)
     weight = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(in_features, generator=g) * 10.0 ** torch.randint(-2, 3, (in_features,), generator=g)
@@ -40,7 +35,7 @@ def test_one_row_product_is_the_fp64_product_to_fp32_rounding(in_features, out_f
 
 
 def test_fp32_layers_multiply_one_row_in_cpp_and_many_by_torch():
-    _kernels()
+    needs_cpu_kernels()
     linear = torch.nn.Linear(96, 40, bias=True)
     layer = Fp32Linear(linear)
     assert layer.one_row and layer.weight.data_ptr() == linear.weight.data_ptr()  # not copied
@@ -80,10 +75,8 @@ def test_fp32_refuses_a_model_that_is_not_fp32_and_leaves_it_as_it_was(tiny_llam
 def test_fp32_answers_as_the_model_token_for_token(tiny_llama, tiny_tokenizer):
     """The same greedy tokens as the model as loaded (transformers' forward), full cache and compressed, the
     steps in one C++ call with the tied head in it."""
-    _kernels()
-    model = copy.deepcopy(tiny_llama)
-    model.lm_head.weight = model.model.embed_tokens.weight
-    model.config.tie_word_embeddings = True
+    needs_cpu_kernels()
+    model = tie_head(copy.deepcopy(tiny_llama))
     original = Engine(copy.deepcopy(model), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     converted = Engine(convert_weights(model, "fp32"), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     text = "Alpha beta gamma delta. The code is 4417. " * 30
@@ -147,7 +140,7 @@ def test_the_cpp_step_refuses_fp32_parts_that_do_not_fit(tiny_llama):
     takes them, saying what was wrong."""
     from semanticache_rag.fused import native_layers
 
-    _kernels()
+    needs_cpu_kernels()
     model = convert_weights(copy.deepcopy(tiny_llama), "fp32")
     config = model.config
     shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)

@@ -6,27 +6,19 @@ import copy
 
 import pytest
 import torch
+from tests_support import needs_cpu_kernels, tie_head
 
 from semanticache_rag import Engine, make_compressor
 from semanticache_rag.conversation import ConversationKV
 from semanticache_rag.generation import GenerationOptions, Sampler
-from semanticache_rag.kernels import cpu_ops
 from semanticache_rag.prompts import Turn
 from semanticache_rag.weights import convert_weights
 
 TEXT = "Alpha beta gamma delta. The code is 4417. " * 30
 
 
-def _kernels():
-    if not cpu_ops.available():
-        pytest.skip("the CPU kernels could not be built here")
-
-
 def _tied(model):
-    model = copy.deepcopy(model)
-    model.lm_head.weight = model.model.embed_tokens.weight
-    model.config.tie_word_embeddings = True
-    return model
+    return tie_head(copy.deepcopy(model))
 
 
 def _side_by_side(engine: Engine, cache, steps: int, first: int | None = None) -> list[tuple[int, int]]:
@@ -52,7 +44,7 @@ def _side_by_side(engine: Engine, cache, steps: int, first: int | None = None) -
 @pytest.mark.parametrize("weights", ["int4", "fp32"])  # a Q8_0 head, an fp32 one
 @pytest.mark.parametrize("compression", [("none", None), ("kaizen", 0.75)])
 def test_the_cpp_step_chooses_the_token_argmax_chooses(tiny_llama, tiny_tokenizer, weights, compression):
-    _kernels()
+    needs_cpu_kernels()
     engine = Engine(convert_weights(_tied(tiny_llama), weights), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     cache = engine.compress(engine.prefill(TEXT, progress=False, surprisal=True), make_compressor(*compression))
     pairs = _side_by_side(engine, cache, 10)
@@ -64,7 +56,7 @@ def test_ties_go_to_the_first_token_and_a_nan_logit_wins_as_in_argmax(tiny_llama
     """With fp32 weights the tied head is the embedding table itself. The final norm's weights zero but the first
     channel's make each logit the table's first column times one number: rows of +1 and -1 there make two pairs
     of equal largest logits (the first of the pair wins), a NaN there a NaN logit (it wins)."""
-    _kernels()
+    needs_cpu_kernels()
     engine = Engine(convert_weights(_tied(tiny_llama), "fp32"), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     cache = engine.compress(engine.prefill(TEXT, progress=False, surprisal=True), make_compressor("none"))
     table, norm = engine.model.model.embed_tokens.weight, engine.model.model.norm.weight
@@ -89,7 +81,7 @@ def test_ties_go_to_the_first_token_and_a_nan_logit_wins_as_in_argmax(tiny_llama
 
 
 def test_a_plain_greedy_sampler_lets_the_step_choose_and_answers_stay_the_same(tiny_llama, tiny_tokenizer, monkeypatch):
-    _kernels()
+    needs_cpu_kernels()
     assert Sampler(GenerationOptions()).argmax_only
     assert not Sampler(GenerationOptions(repetition_penalty=1.3)).argmax_only
     assert not Sampler(GenerationOptions(temperature=0.7)).argmax_only

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_support import needs_default_model, q4_1_weights, q8_0_weights
+from tests_support import needs_default_model, q4_1_weights, q8_0_weights, tie_head
 
 from semanticache_rag import Engine
 from semanticache_rag.errors import ConfigError
@@ -439,9 +439,7 @@ def test_decoding_weights_sit_in_blocks_advised_for_huge_pages(tiny_llama):
     from semanticache_rag import huge_pages
     from semanticache_rag.weights import Int4Linear
 
-    model = copy.deepcopy(tiny_llama)
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied: a Q8_0 head
-    model.config.tie_word_embeddings = True
+    model = tie_head(copy.deepcopy(tiny_llama))  # tied: a Q8_0 head
     model = convert_weights(model, "int4")
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert isinstance(model.lm_head, GroupedInt8Linear) and len(layers) > 4

@@ -51,3 +51,18 @@ def q8_0_weights(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
     codes[..., 0] = 127
     scale = (torch.rand(rows, columns // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
     return (codes * scale).reshape(rows, columns)
+
+
+def needs_cpu_kernels() -> None:
+    """Skip the calling test where the C++ CPU kernels could not be built."""
+    from semanticache_rag.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels could not be built here")
+
+
+def tie_head(model):
+    """``model`` (a transformers Llama) with its output head tied to its input embedding, in place; returned."""
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    return model
