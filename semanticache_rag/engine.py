@@ -6,6 +6,7 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -105,6 +106,11 @@ class Engine:
             raise ConfigError(f"positions must be one of {POSITIONS} and max_sections >= 1 or None")
         if routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise ConfigError(
+                f"compressor must be a Compressor, got {compressor!r}: make one by name with "
+                "semanticache_rag.make_compressor, e.g. make_compressor('semanticache', 0.75)"
+            )
         self.model, self.tokenizer = model, tokenizer
         self.compressor = compressor or NoCompression()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -165,17 +171,27 @@ class Engine:
         """Run ``ids`` at positions ``start...`` appending to ``kv``; return their last logits (K, V)."""
         return self._run(kv, ids, start, logits_to_keep, head=True)
 
-    def greedy(self, kv: ConversationKV, token: int, position: int) -> int:
-        """Run ``token`` at ``position`` appending to ``kv``; return the token of its largest logit (greedy
-        decoding's next, as ``forward(...)[-1].argmax()`` chooses it). Where the step runs in one C++ call with
-        its head, the choice is made there and the logits never reach Python."""
+    def greedy(
+        self, kv: ConversationKV, token: int, position: int, count: int = 1, stops: Collection[int] = ()
+    ) -> list[int]:
+        """Greedy decoding for up to ``count`` steps appending to ``kv``: the first runs ``token`` at ``position``,
+        each later one the token the step before chose (its largest logit, as ``forward(...)[-1].argmax()``
+        chooses it), until one chooses a token of ``stops`` (never run). Returns the tokens chosen, one a step run.
+        Where the step runs in one C++ call with its head, all the steps are one call: the logits never reach
+        Python, and nothing runs in Python between steps."""
         lean = getattr(self.model, "semanticache_forward", None)
         if lean is not None:
             with self._lock, torch.inference_mode():
-                chosen = lean.greedy_token(kv, token, position)
+                chosen = lean.greedy_tokens(kv, token, position, count, tuple(stops))
             if chosen is not None:
                 return chosen
-        return int(self.forward(kv, [token], position)[-1].argmax())
+        chosen = []
+        for step in range(count):
+            token = int(self.forward(kv, [token], position + step)[-1].argmax())
+            chosen.append(token)
+            if token in stops:
+                break
+        return chosen
 
     def _run(self, kv: ConversationKV, ids: list[int], start: int, keep: int, head: bool) -> torch.Tensor:
         """:meth:`forward`; with ``head=False`` the last ``keep`` final hidden states (K, hidden) instead of logits.

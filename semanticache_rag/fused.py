@@ -24,6 +24,7 @@ models keep transformers' forward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -252,18 +253,24 @@ class FusedLlama:
         out = out.view(1, 1, -1)
         return self.model.lm_head(out) if head and not in_step else out
 
-    def greedy_token(self, kv, token: int, position: int) -> int | None:
-        """One decoding step for ``token`` at ``position`` and the token of its largest logit (``argmax``: greedy
-        decoding's next), where the whole step with its head is one C++ call: the logits stay in C++. ``None``
-        (nothing done) otherwise."""
+    def greedy_tokens(self, kv, token: int, position: int, count: int, stops: Sequence[int] = ()) -> list[int] | None:
+        """Up to ``count`` greedy decoding steps in one C++ call: the first runs ``token`` at ``position``, each
+        later one the token the step before chose (its largest logit: ``argmax``), until one chooses a token of
+        ``stops`` (never run). The tokens chosen, one a step run; ``None`` (nothing done) where the whole step with
+        its head is not one C++ call."""
         parts = self._native_for(kv) if self._plain_step(kv) else None
         if parts is None or not parts[0].has_head():
             return None
         native, document = parts
-        return self._call_native(native.greedy_step, kv, token, position, document)
+        rows = [self._rotation_at(p, self.dtype) for p in range(position, position + count)]
+        cos, sin = (torch.stack(side) for side in zip(*rows))
+        appended_keys, appended_values, length = kv.buffers(count)
+        chosen = native.greedy_steps(token, cos, sin, document, appended_keys, appended_values, length, list(stops))
+        kv.extend(len(chosen))
+        return chosen
 
     def _call_native(self, method, kv, token: int, position: int, document, *head):
-        """``method`` of the C++ step (``token_step`` or ``greedy_step``) for ``token`` at ``position``, its key
+        """``method`` of the C++ step (``token_step``) for ``token`` at ``position``, its key
         and value written into ``kv``'s buffers and counted."""
         cos, sin = self._rotation_at(position, self.dtype)
         appended_keys, appended_values, length = kv.buffers(1)

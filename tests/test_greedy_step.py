@@ -1,4 +1,5 @@
-"""Greedy decoding's next token chosen in the C++ step (``greedy_step``), where the head's logits are made."""
+"""Greedy decoding's next token chosen in the C++ step (``greedy_step``), where the head's logits are made, and
+runs of such steps in one call (``greedy_steps``: ``Engine.greedy``, ``Conversation``'s greedy answers)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from tests_support import needs_cpu_kernels, tie_head
 
-from semanticache_rag import Engine, make_compressor
+from semanticache_rag import Engine, KaraCompressor, make_compressor
+from semanticache_rag import conversation as conversation_module
 from semanticache_rag.conversation import ConversationKV
 from semanticache_rag.generation import GenerationOptions, Sampler
 from semanticache_rag.prompts import Turn
@@ -33,8 +35,9 @@ def _side_by_side(engine: Engine, cache, steps: int, first: int | None = None) -
     for step in range(steps):
         position = cache.positions + len(tail) + step
         with torch.inference_mode():
-            chosen = lean.greedy_token(fused, token, position)
-        assert chosen is not None, "the step did not run in C++ with its head"
+            run = lean.greedy_tokens(fused, token, position, 1)
+        assert run is not None, "the step did not run in C++ with its head"
+        (chosen,) = run
         logits = engine.forward(plain, [token], position)[-1]
         pairs.append((chosen, int(logits.argmax())))
         token = pairs[-1][1]
@@ -80,6 +83,38 @@ def test_ties_go_to_the_first_token_and_a_nan_logit_wins_as_in_argmax(tiny_llama
         assert {chosen for chosen, _ in pairs} <= {vocabulary - 7, 40}, pairs
 
 
+def _tail(engine: Engine) -> list[int]:
+    return engine.tokenizer(engine.prompt.tail([Turn("Which code?")]), add_special_tokens=False)["input_ids"]
+
+
+def _appended(kv: ConversationKV) -> list[torch.Tensor]:
+    return [t for layer in kv.layers for t in layer.appended()]
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp32"])
+def test_a_run_of_steps_in_one_call_equals_the_steps_one_at_a_time(tiny_llama, tiny_tokenizer, weights):
+    needs_cpu_kernels()
+    engine = Engine(convert_weights(_tied(tiny_llama), weights), tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    cache = engine.compress(engine.prefill(TEXT, progress=False, surprisal=True), make_compressor("kaizen", 0.75))
+    lean, tail = engine.model.semanticache_forward, _tail(engine)
+    kvs = [ConversationKV(cache.layers) for _ in range(3)]
+    first = [int(engine.forward(kv, tail, cache.positions)[-1].argmax()) for kv in kvs][0]
+    position = cache.positions + len(tail)
+    with torch.inference_mode():
+        run = lean.greedy_tokens(kvs[0], first, position, 9)
+        single, token = [], first
+        for step in range(9):
+            (token,) = lean.greedy_tokens(kvs[1], token, position + step, 1)
+            single.append(token)
+        assert run == single and kvs[0].appended_length == kvs[1].appended_length == len(tail) + 9
+        assert all(torch.equal(a, b) for a, b in zip(_appended(kvs[0]), _appended(kvs[1])))
+        # a stop ends the run where it is chosen, and is not run
+        stop = run[5]
+        stopped = lean.greedy_tokens(kvs[2], first, position, 9, (stop, 10**9))
+    assert stopped == run[: run.index(stop) + 1] and kvs[2].appended_length == len(tail) + len(stopped)
+    assert all(torch.equal(a, b[..., : a.shape[-2], :]) for a, b in zip(_appended(kvs[2]), _appended(kvs[0])))
+
+
 def test_a_plain_greedy_sampler_lets_the_step_choose_and_answers_stay_the_same(tiny_llama, tiny_tokenizer, monkeypatch):
     needs_cpu_kernels()
     assert Sampler(GenerationOptions()).argmax_only
@@ -87,12 +122,52 @@ def test_a_plain_greedy_sampler_lets_the_step_choose_and_answers_stay_the_same(t
     assert not Sampler(GenerationOptions(temperature=0.7)).argmax_only
     engine = Engine(convert_weights(_tied(tiny_llama), "int4"), tiny_tokenizer, model_name="tiny")
     cache = engine.compress(engine.prefill(TEXT, progress=False), make_compressor("kaizen", 0.75))
-    calls = []
+    runs = []
     greedy = engine.greedy
-    monkeypatch.setattr(engine, "greedy", lambda *args: calls.append(args) or greedy(*args))
-    fused = engine.ask(cache, "Which code?", max_new_tokens=12)
-    assert len(calls) == fused.completion_tokens - (fused.finish_reason != "length")
+    monkeypatch.setattr(engine, "greedy", lambda *args: runs.append(greedy(*args)) or list(runs[-1]))
+    fused = engine.ask(cache, "Which code?", max_new_tokens=20)
+    steps = fused.completion_tokens - (fused.finish_reason != "length")  # each said token is run, but a stop
+    assert sum(map(len, runs)) >= steps and len(runs) == -(-steps // conversation_module.GREEDY_RUN)
     monkeypatch.setattr(Sampler, "argmax_only", property(lambda self: False))
-    calls.clear()
-    plain = engine.ask(cache, "Which code?", max_new_tokens=12)
-    assert not calls and plain.completion_ids == fused.completion_ids
+    runs.clear()
+    plain = engine.ask(cache, "Which code?", max_new_tokens=20)
+    assert not runs and plain.completion_ids == fused.completion_ids
+
+
+def _chat(engine: Engine, cache, turns: int, **options) -> tuple[list, ConversationKV]:
+    conversation = engine.conversation(cache, max_new_tokens=24, **options)
+    answers = [conversation.ask(q) for q in ["Which code?", "And the letters?", "Say it again."][:turns]]
+    return [(a.answer, a.completion_ids, a.finish_reason) for a in answers], conversation
+
+
+@pytest.mark.parametrize("case", ["stop string", "loop guard", "kara"])
+def test_answers_and_the_working_cache_do_not_depend_on_how_many_steps_a_call_runs(
+    tiny_llama, tiny_tokenizer, monkeypatch, case
+):
+    """Steps run GREEDY_RUN at a time against one at a time: the same answers, and the same working cache after
+    them (steps run past a stop string or a repeat forgotten; Kara compressing after the same steps). fp32 weights
+    with the tiny model's own head (its tied head answers one token over and over)."""
+    needs_cpu_kernels()
+    kara = KaraCompressor(budget_tokens=24, window_tokens=8, recent_tokens=4) if case == "kara" else None
+    model = convert_weights(copy.deepcopy(tiny_llama), "fp32")
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64, compressor=kara)
+    cache = engine.read(TEXT[:600], progress=False)
+    options = {"loop_guard": case != "stop string"}
+    if case == "stop string":  # two characters from the middle of the first answer
+        text = _chat(engine, cache, 1, **options)[0][0][0]
+        options["stop"] = [next(text[i : i + 2] for i in range(3, len(text)) if "\ufffd" not in text[i : i + 2])]
+    runs = []
+    greedy = engine.greedy
+    monkeypatch.setattr(engine, "greedy", lambda *args: runs.append(greedy(*args)) or list(runs[-1]))
+    answers, chat = _chat(engine, cache, 3, **options)
+    monkeypatch.setattr(conversation_module, "GREEDY_RUN", 1)
+    one_at_a_time, plain = _chat(engine, cache, 3, **options)
+    assert answers == one_at_a_time
+    assert any(len(run) > 1 for run in runs)
+    if case in ("stop string", "loop guard"):  # answers ended inside a run: the steps run past them forgotten
+        ending = "stop" if case == "stop string" else "repetition"
+        assert answers[0][2] == ending and sum(map(len, runs)) > sum(len(ids) for _, ids, _ in answers)
+    if case == "kara":
+        assert chat._compressed_tokens == plain._compressed_tokens > 0
+    assert chat.kv.appended_length == plain.kv.appended_length
+    assert all(torch.equal(a, b) for a, b in zip(_appended(chat.kv), _appended(plain.kv)))
