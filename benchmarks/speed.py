@@ -1,15 +1,16 @@
 """Speed on CPUs: reading and decoding, ours against llama.cpp's ``llama-bench``, on the default model.
 
-For each context length: llama.cpp's prompt processing (tok/s, at depth 0) and token generation at
-that depth (ms/token), with the model file we ship (Q4_1 GGUF) and ``llama-bench`` built by
-``benchmarks/llama_bench.py``; then ours, per weight format (``--weights``: fp32 as converted, fp16
-through fbgemm's packed product, int8, int4 with the GGUF's own codes and llama.cpp's arithmetic, and
-int4-exact, the same codes in fp32 arithmetic), reading the same text once and, per cache (full, full with
-fp16 rows, SemantiCache 0.5/0.75/0.9, Kaizen 0.75, Kaizen + SemantiCache 0.9): compression time, decode
-ms/token (median of ``--steps`` steps after a question), the bytes a step reads (weights + document cache)
-over the machine's measured read bandwidth (the floor: a sum over 512 MiB in huge pages, as the weights are
-kept; ordinary pages read ~20% slower), and the KL divergence of the next-token
-distributions to the fp32 full cache's, teacher-forced on its greedy answer.
+For each context length: llama.cpp's prompt processing (tok/s, at depth 0) and token generation at that depth
+(ms/token), with the model file we ship (Q4_1 GGUF) and ``llama-bench`` built by ``benchmarks/llama_bench.py``;
+then ours, per weight format (``--weights``: fp32 as converted, fp16 through fbgemm's packed product, int8, int4
+with the GGUF's own codes and llama.cpp's arithmetic, and int4-exact, the same codes in fp32 arithmetic),
+reading the same text once and, per cache (full, full with fp16 rows, SemantiCache 0.5/0.75/0.9, Kaizen 0.75,
+Kaizen + SemantiCache 0.9): compression time, decode ms/token (median over ``--steps`` greedy steps after a
+question, run as an answer runs them: 8 a call, no logits in Python; ``forward_ms``: a step with its logits
+returned to Python, as a sampling answer takes it), the bytes a step reads (weights + document cache) over the
+machine's measured read bandwidth (the floor: a sum over 512 MiB in huge pages, as the weights are kept;
+ordinary pages read ~20% slower), and the KL divergence of the next-token distributions to the fp32 full
+cache's, teacher-forced on its greedy answer.
 
     python -m benchmarks.speed [--lengths 2000 4000 7000] [--steps 32] [--no-llama-cpp] [--memory-only]
 
@@ -131,6 +132,29 @@ def decode(
     return ids, torch.stack(logprobs), times, parts
 
 
+def greedy_decode(
+    engine: Engine, cache, steps: int, question: str = QUESTION, between: Callable[[], object] | None = None
+):
+    """Greedy decoding as an answer runs it (:meth:`~semanticache_rag.engine.Engine.greedy`: BANDWIDTH_EVERY steps
+    a call, as :data:`~semanticache_rag.conversation.GREEDY_RUN`; no logits reach Python): seconds a step of each
+    call, and where the steps' time went (as :func:`decode`); with the tokens (as :func:`decode`'s: the first
+    chosen after the question, then each step's). ``between``: called, untimed, after every call."""
+    tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
+    kv = ConversationKV(cache.layers)
+    token = int(engine.forward(kv, tail, cache.positions)[-1].argmax())
+    position, ids, times = cache.positions + len(tail), [token], []
+    lean = getattr(engine.model, "semanticache_forward", None)
+    with lean.timed_steps() if lean is not None else contextlib.nullcontext({}) as parts:
+        for start in range(0, steps, BANDWIDTH_EVERY):
+            count = min(BANDWIDTH_EVERY, steps - start)
+            started = time.perf_counter()
+            ids += engine.greedy(kv, ids[-1], position + start, count)
+            times.append((time.perf_counter() - started) / count)
+            if between is not None:
+                between()
+    return ids[:steps], times, parts
+
+
 def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
     rows, reference = [], {}
     sample = bandwidth_sample()  # the bandwidth's 512 MiB, allocated once
@@ -148,13 +172,12 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
                 # GB/s within a run, and one measurement per format and length put cells decoded a minute
                 # later against a bandwidth they did not have.
                 samples = [read_bandwidth(sample)]
-                ids, logprobs, times, parts = decode(
-                    engine,
-                    cache,
-                    steps,
-                    reference.get(tokens, (None,))[0],
-                    between=lambda samples=samples: samples.append(read_bandwidth(sample)),
+                between = lambda samples=samples: samples.append(read_bandwidth(sample))  # noqa: E731
+                # the KL from steps with their logits (the reference's tokens fed); the time from greedy runs
+                ids, logprobs, forward_times, _ = decode(
+                    engine, cache, steps, reference.get(tokens, (None,))[0], between=between
                 )
+                _, times, parts = greedy_decode(engine, cache, steps, between=between)
                 bandwidth = statistics.median(samples)
                 if weights == "model" and compression == "none":
                     reference[tokens] = (ids, logprobs)
@@ -171,6 +194,7 @@ def ours(lengths: list[int], steps: int, formats: list[str]) -> list[dict]:
                     "compress_s": round(cache.compress_s, 2),
                     "compress_share": round(cache.compress_s / prefill.seconds, 3),
                     "decode_ms": round(1000 * statistics.median(times), 1),
+                    "forward_ms": round(1000 * statistics.median(forward_times), 1),
                     "step_mib": round(step_bytes / 2**20, 1),
                     "floor_ms": round(1000 * step_bytes / bandwidth, 1),
                     "weights_floor_ms": round(1000 * step_weights / bandwidth, 1),
@@ -293,12 +317,16 @@ def parts_table(rows: list[dict]) -> str:
     timed = [r for r in rows if "parts_ms" in r]
     if not timed:
         return ""
-    head = ["weights", "cache", "tokens", "step (mean)", *PARTS, "floor", "floor of weights"]
+    head = ["weights", "cache", "tokens", "step (mean)", *PARTS, "floor", "floor of weights", "step with logits"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in timed:
         p = r["parts_ms"]
         cells = [r["weights"], r["cache"], r["tokens"], round(p["step"] + p["python"], 2)]
-        cells += [round(p[k], 2) for k in PARTS] + [r["floor_ms"], r.get("weights_floor_ms", "")]
+        cells += [round(p[k], 2) for k in PARTS] + [
+            r["floor_ms"],
+            r.get("weights_floor_ms", ""),
+            r.get("forward_ms", ""),
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

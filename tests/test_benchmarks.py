@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -10,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_support import needs_cpu_kernels
 
 from benchmarks.ruler_tasks import build, score
+from semanticache_rag import Engine
 from semanticache_rag.models import home_dir
+from semanticache_rag.weights import convert_weights
 
 
 def test_ruler_string_match():
@@ -208,12 +212,12 @@ def test_speed_parts_table_and_plot_show_where_each_timed_cell_goes(tmp_path):
     parts = {"step": 7.0, "attention": 4.0, "products": 2.0, "head": 0.9, "other": 0.1, "python": 0.3}
     timed = {"system": "ours", "weights": "int4", "cache": "Kaizen 0.75", "tokens": 7000, "floor_ms": 3.8}
     rows = [
-        {**timed, "parts_ms": parts, "weights_floor_ms": 2.1},
+        {**timed, "parts_ms": parts, "weights_floor_ms": 2.1, "forward_ms": 7.9},
         {"system": "ours", "weights": "model", "cache": "full", "tokens": 7000, "floor_ms": 12.0},
         {"system": "llama.cpp", "tokens": 7000, "decode_ms": 28.0},
     ]
     text = parts_table(rows)
-    assert text.splitlines()[2] == "| int4 | Kaizen 0.75 | 7000 | 7.3 | 4.0 | 2.0 | 0.9 | 0.1 | 0.3 | 3.8 | 2.1 |"
+    assert text.splitlines()[2] == "| int4 | Kaizen 0.75 | 7000 | 7.3 | 4.0 | 2.0 | 0.9 | 0.1 | 0.3 | 3.8 | 2.1 | 7.9 |"
     assert len(text.splitlines()) == 3
     plot_parts(rows, tmp_path / "parts.png")
     assert (tmp_path / "parts.png").stat().st_size > 1000
@@ -423,3 +427,22 @@ def test_speed_decode_samples_the_bandwidth_between_steps_untimed(tiny_llama_eng
     assert calls == [0, 1] and len(times) == steps == len(ids) == logprobs.shape[0]
     assert parts == {}  # weights as loaded: the steps do not run in one C++ call, nothing to split
     assert ids == plain_ids
+
+
+@pytest.mark.parametrize("converted", [False, True])  # steps in Python, in one C++ call
+def test_speed_greedy_runs_choose_the_tokens_of_the_logits_and_time_each_call(
+    tiny_llama, tiny_tokenizer, document_text, converted
+):
+    """The decode column times greedy runs as answers run them (BANDWIDTH_EVERY steps a call, ``between`` after
+    each, untimed): the tokens those of the step-by-step decode, its parts where the steps ran in C++."""
+    from benchmarks.speed import BANDWIDTH_EVERY, decode, greedy_decode
+
+    if converted:
+        needs_cpu_kernels()
+    model = convert_weights(copy.deepcopy(tiny_llama), "fp32") if converted else tiny_llama
+    engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
+    cache = engine.read(document_text[:800], progress=False)
+    steps, calls = 2 * BANDWIDTH_EVERY + 3, []
+    ids, times, parts = greedy_decode(engine, cache, steps, between=lambda: calls.append(len(calls)))
+    assert ids == decode(engine, cache, steps, None)[0] and calls == [0, 1, 2] and len(times) == 3
+    assert (parts["steps"] == steps) if converted else parts == {}

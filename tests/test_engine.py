@@ -98,6 +98,13 @@ def test_bad_generation_options(tiny_engine, document_text, bad):
         tiny_engine.ask(cache, "?", **bad)
 
 
+@pytest.mark.parametrize("compressor", ["semanticache", 0.75])
+def test_a_compressor_given_by_name_says_how_to_make_one(tiny_model, tiny_tokenizer, compressor):
+    wanted = r"compressor must be a Compressor, got .*make_compressor\('semanticache', 0.75\)"
+    with pytest.raises(ConfigError, match=wanted):
+        Engine(tiny_model, tiny_tokenizer, compressor=compressor)
+
+
 def test_sections_longer_than_the_context_fail_before_model_work(tiny_model, tiny_tokenizer, monkeypatch):
     engine = Engine(tiny_model, tiny_tokenizer, model_name="tiny", section_tokens=4000)
     calls = []
