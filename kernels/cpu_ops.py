@@ -9,7 +9,7 @@ its torch twin: ``decode_attention`` (``decode_attention_cpu.cpp``) that of :mod
 :mod:`.rms_norm_ref`. The operators' schemas are defined here, in
 Python, with the torch twins as the default implementations, so the operators exist (and
 TorchScript can call them) everywhere; :func:`available` then builds the C++ sources into one library
-with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~15-30 s, once per machine, torch and
+with ``torch.utils.cpp_extension`` (``-O3 -march=native``, ~2 minutes on 2 cores, once per machine, torch and
 source version: the library is kept under :func:`~semanticache_rag.models.home_dir` ``/kernels``, where
 other versions' libraries are removed once unused for :data:`KEEP_DAYS` days beyond the
 :data:`KEEP_BUILDS` most recently used) and loads it, which registers the C++ kernels for CPU tensors.
@@ -150,7 +150,7 @@ def _build() -> None:
     directory = home_dir() / "kernels" / name
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{name}.so").exists():
-        logger.warning("building the CPU kernels for this machine (once, ~15-30 s) in %s", directory)
+        logger.warning("building the CPU kernels for this machine (once, ~2 minutes on 2 cores) in %s", directory)
     # cpp_extension locks the directory while it builds (other processes wait) and rebuilds a stale library
     cpp_extension.load(
         name,
