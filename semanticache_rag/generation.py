@@ -264,11 +264,15 @@ class TextStream:
     def flush(self) -> str:
         """Return whatever is still held back once decoding has ended.
 
-        A trailing incomplete multi-byte character (decoded as U+FFFD) is dropped from the text.
+        A trailing incomplete multi-byte character (decoded as U+FFFD) is dropped from the text; with the loop
+        guard, so is a last sentence that repeats an earlier one, or that the end cut off while it was still the
+        start of an earlier one (held back so far).
         """
         self.text = self.text.rstrip("\ufffd")
         if self.guard is not None and not self.stopped:
             repeat = self.guard.repeated_sentence(self.text + "\n")  # the last sentence, ended by the end
+            if repeat is None:
+                repeat = self.guard.may_repeat(self.text)
             if repeat is not None:
                 self.text, self.reason = self.text[: max(repeat, self.emitted)], "repetition"
         return self._emit(len(self.text))

@@ -49,6 +49,13 @@ def test_a_repeated_sentence_is_never_streamed(tiny_tokenizer):
     assert stream.reason == "repetition" and streamed == stream.text and streamed.strip() == LOOP
 
 
+def test_an_answer_cut_off_while_it_starts_an_earlier_sentence_ends_before_it(tiny_tokenizer):
+    stream, streamed = pieces_of(tiny_tokenizer, f"{LOOP} It is old. The document that specifies")
+    assert stream.reason == "repetition" and streamed == stream.text == f"{LOOP} It is old."
+    stream, streamed = pieces_of(tiny_tokenizer, f"{LOOP} It is old. The answer is")  # starts no earlier one
+    assert stream.reason == "stop" and streamed == f"{LOOP} It is old. The answer is"
+
+
 def test_text_without_repeats_streams_unchanged(tiny_tokenizer):
     text = "Héllo wörld, 你好. The licensee may copy it.\n\nThe licensee may not sell it. 1000000 copies."
     stream, streamed = pieces_of(tiny_tokenizer, text)
