@@ -35,6 +35,7 @@ import torch
 from benchmarks.followup_latency import real_document
 from benchmarks.report import environment
 from semanticache_rag import Engine, make_compressor
+from semanticache_rag.conversation import GREEDY_RUN
 from semanticache_rag.kernels.bench_cpu import bandwidth_sample, read_bandwidth  # the kernel bench's 512 MiB sum
 from semanticache_rag.kv import ConversationKV
 from semanticache_rag.models import default_gguf
@@ -135,26 +136,27 @@ def decode(
 def greedy_decode(
     engine: Engine, cache, steps: int, question: str = QUESTION, between: Callable[[], object] | None = None
 ):
-    """Greedy decoding as an answer runs it (:meth:`~semanticache_rag.engine.Engine.greedy`: BANDWIDTH_EVERY steps
-    a call, as :data:`~semanticache_rag.conversation.GREEDY_RUN`; no logits reach Python), ``steps`` steps timed:
-    the tokens (as :func:`decode`'s: the first chosen after the question, then each step's), seconds a step of each
-    call, and where the timed steps' time went (as :func:`decode`). Before each call ``between`` and one more step,
-    untimed: the first step after the bandwidth's 512 MiB sum takes ~1.5x the rest, and :func:`decode`'s median
-    leaves it out, where a call's mean would not."""
+    """Greedy decoding as an answer runs it (:meth:`~semanticache_rag.engine.Engine.greedy`, calls of
+    :data:`~semanticache_rag.conversation.GREEDY_RUN` steps; no logits reach Python), ``steps`` steps timed: the
+    tokens (as :func:`decode`'s: the first chosen after the question, then each step's), seconds a step (each call's
+    mean, once for each of its steps), and where the timed steps' time went (as :func:`decode`). Before each call
+    ``between`` and one more step, untimed: the first step after the bandwidth's 512 MiB sum takes ~1.5x the rest,
+    and :func:`decode`'s median leaves it out, where a call's mean would not (so the timed steps sit a few tokens
+    deeper than :func:`decode`'s)."""
     tail = engine.tokenizer(engine.prompt.tail([Turn(question)]), add_special_tokens=False)["input_ids"]
     kv = ConversationKV(cache.layers)
     ids = [int(engine.forward(kv, tail, cache.positions)[-1].argmax())]
     position, times, totals = cache.positions + len(tail), [], {}
     lean = getattr(engine.model, "semanticache_forward", None)
-    for start in range(0, steps, BANDWIDTH_EVERY):
-        count = min(BANDWIDTH_EVERY, steps - start)
+    for start in range(0, steps, GREEDY_RUN):
+        count = min(GREEDY_RUN, steps - start)
         if between is not None:
             between()
         ids += engine.greedy(kv, ids[-1], position + len(ids) - 1)
         with lean.timed_steps() if lean is not None else contextlib.nullcontext({}) as parts:
             started = time.perf_counter()
             ids += engine.greedy(kv, ids[-1], position + len(ids) - 1, count)
-            times.append((time.perf_counter() - started) / count)
+            times += [(time.perf_counter() - started) / count] * count
         for key, value in parts.items():
             totals[key] = totals.get(key, 0) + (value if key == "steps" else value * parts["steps"])
     parts = {key: value if key == "steps" else round(value / totals["steps"], 3) for key, value in totals.items()}

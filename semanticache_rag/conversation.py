@@ -168,32 +168,33 @@ class Conversation:
         finish, generated, limit = "length", 0, min(opts.max_new_tokens, budget)
         # tokens chosen and not yet said, all but the last already run (greedy steps run GREEDY_RUN at a time)
         chosen = [sampler(logits, stream.ids)]
-        for _ in range(limit):
-            token = chosen.pop(0)
-            generated += 1
-            if token in eos:
-                finish = "stop"
-                break
-            piece = stream.push(token)
-            if piece:
-                yield piece
-            if stream.stopped:
-                finish = stream.reason
-                break
-            self._tail_ids.append(token)
-            if chosen:  # run already
-                continue
-            self._squeeze()
-            position = self.cache.positions + len(self._tail_ids) - 1
-            if sampler.argmax_only:  # the next tokens chosen where the logits are made, several steps a call
-                chosen = engine.greedy(self.kv, token, position, self._run_length(limit - generated + 1), eos)
-            else:
-                logits = engine.forward(self.kv, [token], position)[-1]
-                chosen = [sampler(logits, stream.ids)]
-        # tokens a greedy run ran past where the answer ended are forgotten; then Kara as after every step
-        self.kv.crop(len(self._tail_ids) - self._compressed_tokens + self._squeezed)
-        self._squeeze()
-        rest = stream.flush()
+        try:
+            for _ in range(limit):
+                token = chosen.pop(0)
+                generated += 1
+                if token in eos:
+                    finish = "stop"
+                    break
+                piece = stream.push(token)
+                if piece:
+                    yield piece
+                if stream.stopped:
+                    finish = stream.reason
+                    break
+                self._tail_ids.append(token)
+                if chosen:  # run already
+                    continue
+                self._squeeze()
+                position = self.cache.positions + len(self._tail_ids) - 1
+                if sampler.argmax_only:  # the next tokens chosen where the logits are made, several steps a call
+                    chosen = engine.greedy(self.kv, token, position, self._run_length(limit - generated + 1), eos)
+                else:
+                    logits = engine.forward(self.kv, [token], position)[-1]
+                    chosen = [sampler(logits, stream.ids)]
+        finally:  # also where the consumer stopped early or a step raised
+            self._agree()
+        self._squeeze()  # Kara, as after every step
+        rest = stream.flush(cut_off=finish == "length")
         if rest:
             yield rest
         if stream.reason == "repetition":
@@ -233,6 +234,14 @@ class Conversation:
             self._compressed_tokens = self._squeezed = 0
         self.kv.crop(self._squeezed + reused - self._compressed_tokens)
         return reused, budget
+
+    def _agree(self) -> None:
+        """Make the working cache and the tokens it holds (``_tail_ids``) agree where an answer stopped: steps a
+        greedy run ran past its end forgotten, and tokens whose step did not run (it raised) dropped."""
+        held = self.kv.appended_length + self._compressed_tokens - self._squeezed
+        if held < len(self._tail_ids):
+            del self._tail_ids[held:]
+        self.kv.crop(len(self._tail_ids) - self._compressed_tokens + self._squeezed)
 
     def _run_length(self, left: int) -> int:
         """How many greedy steps to run in one call: at most GREEDY_RUN and the ``left`` the answer may take, and

@@ -179,6 +179,8 @@ class Engine:
         chooses it), until one chooses a token of ``stops`` (never run). Returns the tokens chosen, one a step run.
         Where the step runs in one C++ call with its head, all the steps are one call: the logits never reach
         Python, and nothing runs in Python between steps."""
+        if count < 1:
+            return []
         lean = getattr(self.model, "semanticache_forward", None)
         if lean is not None:
             with self._lock, torch.inference_mode():

@@ -261,17 +261,18 @@ class TextStream:
         """Length of the text of all but the last ``tokens`` ids (where a repeated run started)."""
         return len(self.tokenizer.decode(self.ids[:-tokens], skip_special_tokens=True))
 
-    def flush(self) -> str:
-        """Return whatever is still held back once decoding has ended.
+    def flush(self, cut_off: bool = False) -> str:
+        """Return whatever is still held back once decoding has ended (``cut_off``: by the token limit, not by the
+        model).
 
         A trailing incomplete multi-byte character (decoded as U+FFFD) is dropped from the text; with the loop
-        guard, so is a last sentence that repeats an earlier one, or that the end cut off while it was still the
+        guard, so is a last sentence that repeats an earlier one, and one the limit cut off while it was still the
         start of an earlier one (held back so far).
         """
         self.text = self.text.rstrip("\ufffd")
         if self.guard is not None and not self.stopped:
             repeat = self.guard.repeated_sentence(self.text + "\n")  # the last sentence, ended by the end
-            if repeat is None:
+            if repeat is None and cut_off:
                 repeat = self.guard.may_repeat(self.text)
             if repeat is not None:
                 self.text, self.reason = self.text[: max(repeat, self.emitted)], "repetition"

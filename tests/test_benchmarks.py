@@ -433,16 +433,18 @@ def test_speed_decode_samples_the_bandwidth_between_steps_untimed(tiny_llama_eng
 def test_speed_greedy_runs_choose_the_tokens_of_the_logits_and_time_each_call(
     tiny_llama, tiny_tokenizer, document_text, converted
 ):
-    """The decode column times greedy runs as answers run them (BANDWIDTH_EVERY steps a call, ``between`` after
+    """The decode column times greedy runs as answers run them (GREEDY_RUN steps a call, ``between`` before
     each, untimed): the tokens those of the step-by-step decode, its parts where the steps ran in C++."""
-    from benchmarks.speed import BANDWIDTH_EVERY, decode, greedy_decode
+    from benchmarks.speed import decode, greedy_decode
+    from semanticache_rag.conversation import GREEDY_RUN
 
     if converted:
         needs_cpu_kernels()
     model = convert_weights(copy.deepcopy(tiny_llama), "fp32") if converted else tiny_llama
     engine = Engine(model, tiny_tokenizer, model_name="tiny", prefill_chunk=64)
     cache = engine.read(document_text[:800], progress=False)
-    steps, calls = 2 * BANDWIDTH_EVERY + 3, []
+    steps, calls = 2 * GREEDY_RUN + 3, []
     ids, times, parts = greedy_decode(engine, cache, steps, between=lambda: calls.append(len(calls)))
-    assert ids == decode(engine, cache, steps, None)[0] and calls == [0, 1, 2] and len(times) == 3
+    assert ids == decode(engine, cache, steps, None)[0] and calls == [0, 1, 2] and len(times) == steps
+    assert len(set(times)) == 3  # a call's mean for each of its steps
     assert (parts["steps"] == steps) if converted else parts == {}

@@ -33,14 +33,14 @@ def test_guard_finds_runs_of_tokens_but_not_long_numbers():
 GUARD = LoopGuard()
 
 
-def pieces_of(tokenizer, text: str, guard=GUARD):
+def pieces_of(tokenizer, text: str, guard=GUARD, cut_off=False):
     stream = TextStream(tokenizer, (), guard)
     pieces = []
     for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
         pieces.append(stream.push(token))
         if stream.stopped:
             break
-    pieces.append(stream.flush())
+    pieces.append(stream.flush(cut_off))
     return stream, "".join(pieces)
 
 
@@ -50,10 +50,13 @@ def test_a_repeated_sentence_is_never_streamed(tiny_tokenizer):
 
 
 def test_an_answer_cut_off_while_it_starts_an_earlier_sentence_ends_before_it(tiny_tokenizer):
-    stream, streamed = pieces_of(tiny_tokenizer, f"{LOOP} It is old. The document that specifies")
+    text = f"{LOOP} It is old. The document that specifies"
+    stream, streamed = pieces_of(tiny_tokenizer, text, cut_off=True)
     assert stream.reason == "repetition" and streamed == stream.text == f"{LOOP} It is old."
-    stream, streamed = pieces_of(tiny_tokenizer, f"{LOOP} It is old. The answer is")  # starts no earlier one
-    assert stream.reason == "stop" and streamed == f"{LOOP} It is old. The answer is"
+    stream, streamed = pieces_of(tiny_tokenizer, f"{LOOP} It is old. The answer is", cut_off=True)
+    assert stream.reason == "stop" and streamed == f"{LOOP} It is old. The answer is"  # starts no earlier one
+    stream, streamed = pieces_of(tiny_tokenizer, text)  # the model ended it there: its last words stay
+    assert stream.reason == "stop" and streamed == text
 
 
 def test_text_without_repeats_streams_unchanged(tiny_tokenizer):

@@ -171,3 +171,37 @@ def test_answers_and_the_working_cache_do_not_depend_on_how_many_steps_a_call_ru
         assert chat._compressed_tokens == plain._compressed_tokens > 0
     assert chat.kv.appended_length == plain.kv.appended_length
     assert all(torch.equal(a, b) for a, b in zip(_appended(chat.kv), _appended(plain.kv)))
+
+
+@pytest.mark.parametrize("how", ["raises", "closed"])
+def test_an_answer_that_stops_midway_leaves_the_cache_holding_the_tokens_it_counts(tiny_llama, tiny_tokenizer, how):
+    """A step that raises (an interrupt) or a consumer that stops reading: the working cache holds exactly the tokens
+    the conversation counts as its own (the next turn reuses them), each at its place: its keys are those a fresh
+    pass over the same tokens makes."""
+    needs_cpu_kernels()
+    engine = Engine(convert_weights(copy.deepcopy(tiny_llama), "fp32"), tiny_tokenizer, model_name="tiny")
+    cache = engine.read(TEXT[:600], progress=False)
+    chat = engine.conversation(cache, max_new_tokens=24, loop_guard=False)
+    greedy, calls = engine.greedy, []
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return greedy(*args)
+
+    stream = chat.stream("Which code?")
+    if how == "raises":
+        engine.greedy = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            list(stream)
+    else:
+        next(stream)
+        next(stream)
+        assert chat.kv.appended_length > len(chat._tail_ids)  # steps run ahead of what was said
+        stream.close()
+    assert chat.kv.appended_length == len(chat._tail_ids) > 0
+    fresh = ConversationKV(cache.layers)
+    engine.forward(fresh, chat._tail_ids, cache.positions)
+    for kept, made in zip(_appended(chat.kv)[::2], _appended(fresh)[::2]):  # keys
+        torch.testing.assert_close(kept, made, rtol=1e-4, atol=1e-4)
