@@ -521,7 +521,6 @@ TORCH_LIBRARY_FRAGMENT(semanticache, m) {
       .def("set_ends", &Int4Layers::set_ends)
       .def("has_head", &Int4Layers::has_head)
       .def("token_step", &Int4Layers::token_step)
-      .def("greedy_step", &Int4Layers::greedy_step)
       .def("greedy_steps", &Int4Layers::greedy_steps)
       .def("set_timing", &Int4Layers::set_timing)
       .def("timings", &Int4Layers::timings);

@@ -232,7 +232,7 @@ class Conversation:
         if reused < self._compressed_tokens:  # the prompt changed inside what Kara compressed: start over
             self.kv, reused = ConversationKV(self.cache.layers), 0
             self._compressed_tokens = self._squeezed = 0
-        self.kv.crop(self._squeezed + reused - self._compressed_tokens)
+        self.kv.crop(self._entries(reused))
         return reused, budget
 
     def _agree(self) -> None:
@@ -241,7 +241,12 @@ class Conversation:
         held = self.kv.appended_length + self._compressed_tokens - self._squeezed
         if held < len(self._tail_ids):
             del self._tail_ids[held:]
-        self.kv.crop(len(self._tail_ids) - self._compressed_tokens + self._squeezed)
+        self.kv.crop(self._entries(len(self._tail_ids)))
+
+    def _entries(self, tokens: int) -> int:
+        """How many appended entries the first ``tokens`` of ``_tail_ids`` take (Kara keeps fewer for those it
+        compressed)."""
+        return tokens - self._compressed_tokens + self._squeezed
 
     def _run_length(self, left: int) -> int:
         """How many greedy steps to run in one call: at most GREEDY_RUN and the ``left`` the answer may take, and

@@ -249,7 +249,10 @@ class FusedLlama:
             return None
         native, document = parts
         in_step = head and native.has_head()
-        out = self._call_native(native.token_step, kv, token, position, document, in_step)
+        cos, sin = self._rotation_at(position, self.dtype)
+        appended_keys, appended_values, length = kv.buffers(1)
+        out = native.token_step(token, cos, sin, document, appended_keys, appended_values, length, in_step)
+        kv.extend(1)  # its key and value written into kv's buffers
         out = out.view(1, 1, -1)
         return self.model.lm_head(out) if head and not in_step else out
 
@@ -268,15 +271,6 @@ class FusedLlama:
         chosen = native.greedy_steps(token, cos, sin, document, appended_keys, appended_values, length, list(stops))
         kv.extend(len(chosen))
         return chosen
-
-    def _call_native(self, method, kv, token: int, position: int, document, *head):
-        """``method`` of the C++ step (``token_step``) for ``token`` at ``position``, its key
-        and value written into ``kv``'s buffers and counted."""
-        cos, sin = self._rotation_at(position, self.dtype)
-        appended_keys, appended_values, length = kv.buffers(1)
-        out = method(token, cos, sin, document, appended_keys, appended_values, length, *head)
-        kv.extend(1)
-        return out
 
     def kernel(self) -> bool:
         """Whether decoding steps attend through the C++ kernel (:mod:`~semanticache_rag.kernels.cpu_ops`):
